@@ -1,0 +1,133 @@
+"""``TrainingMonitor``: tokens/s, model TFLOP/s, MFU, peak memory and gradient norm, logged through Lightning."""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+from torch import Tensor
+from typing_extensions import override
+
+# Dense (no sparsity) bf16/fp16 peaks of chips whose names Lightning's table misses or lists with sparsity.
+_DENSE_PEAK_FLOPS = {"h100": 989.4e12, "h200": 989.4e12, "gh200": 989.4e12}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Theoretical dense matmul FLOP/s of one device in ``dtype``; None on CPUs and unknown chips."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    if dtype in (torch.bfloat16, torch.float16):
+        for chip, flops in _DENSE_PEAK_FLOPS.items():
+            if chip in name.split() or f" {chip}" in name:
+                return flops
+    found = get_available_flops(device, dtype)
+    return float(found) if found else None
+
+
+def _precision_dtype(trainer: L.Trainer) -> torch.dtype:
+    precision = str(trainer.precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+def flops_per_token(pl_module: L.LightningModule, seq_len: int) -> float:
+    """Training FLOPs per token of the module's model: its own count if it has one, else ``6 N``."""
+    model = getattr(pl_module, "model", None)
+    if model is not None and hasattr(model, "flops_per_token"):
+        return float(model.flops_per_token(seq_len))
+    return 6.0 * sum(p.numel() for p in pl_module.parameters())
+
+
+class TrainingMonitor(L.Callback):
+    """Logs throughput and memory every ``log_every_n_steps`` optimizer steps.
+
+    Metrics (per device unless named otherwise): ``perf/tokens_per_sec`` (all devices), ``perf/tokens_per_sec_per_device``,
+    ``perf/step_time_s``, ``perf/tflops_per_device`` (model FLOPs, no recomputation counted), ``perf/mfu`` (GPUs only,
+    against the dense peak of the chip), ``memory/max_allocated_gib`` and ``memory/max_reserved_gib`` (GPUs) or
+    ``memory/max_rss_gib`` (CPU), and ``train/grad_norm`` (before clipping).
+
+    Arguments:
+        log_every_n_steps: how often to log; the throughput figures average over the steps since the last log.
+        skip_first_steps: steps excluded from timing (compilation, allocator warm-up).
+        grad_norm: whether to compute the gradient norm (one reduction over all gradients per logged step).
+    """
+
+    def __init__(self, log_every_n_steps: int = 10, skip_first_steps: int = 2, grad_norm: bool = True) -> None:
+        if log_every_n_steps <= 0:
+            raise ValueError(f"log_every_n_steps ({log_every_n_steps}) must be positive")
+        self.log_every_n_steps = log_every_n_steps
+        self.skip_first_steps = skip_first_steps
+        self.grad_norm = grad_norm
+        self._window_start: float | None = None
+        self._window_tokens = 0
+        self._window_steps = 0
+        self._seq_len = 0
+        self.last_metrics: dict[str, float] = {}
+
+    def _sync(self, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._window_start is None and trainer.global_step >= self.skip_first_steps:
+            self._sync(pl_module)
+            self._window_start = time.perf_counter()
+            self._window_tokens = self._window_steps = 0
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if not self.grad_norm or (trainer.global_step + 1) % self.log_every_n_steps != 0:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            pl_module.log("train/grad_norm", norm)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._window_start is None:
+            return
+        ids = batch["input_ids"] if isinstance(batch, dict) else batch[0]
+        assert isinstance(ids, Tensor)
+        self._seq_len = ids.shape[-1]
+        self._window_tokens += ids.numel()
+        self._window_steps += 1
+        if trainer.global_step % self.log_every_n_steps != 0:
+            return
+        self._sync(pl_module)
+        elapsed = time.perf_counter() - self._window_start
+        metrics = self.compute(trainer, pl_module, elapsed)
+        self.last_metrics = metrics
+        pl_module.log_dict(metrics, rank_zero_only=True)
+        self._window_start = time.perf_counter()
+        self._window_tokens = self._window_steps = 0
+
+    def compute(self, trainer: L.Trainer, pl_module: L.LightningModule, elapsed: float) -> dict[str, float]:
+        """Throughput and memory over the current window of ``elapsed`` seconds."""
+        tokens_per_sec = self._window_tokens / max(elapsed, 1e-9)
+        flops = flops_per_token(pl_module, self._seq_len) * tokens_per_sec
+        metrics = {
+            "perf/tokens_per_sec_per_device": tokens_per_sec,
+            "perf/tokens_per_sec": tokens_per_sec * trainer.world_size,
+            "perf/step_time_s": elapsed / max(self._window_steps, 1),
+            "perf/tflops_per_device": flops / 1e12,
+        }
+        peak = peak_flops(pl_module.device, _precision_dtype(trainer))
+        if peak:
+            metrics["perf/mfu"] = flops / peak
+        if pl_module.device.type == "cuda":
+            metrics["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+            metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
+        else:
+            metrics["memory/max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return metrics

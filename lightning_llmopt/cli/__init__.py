@@ -1,0 +1,1 @@
+"""The `llmopt` command line (LightningCLI)."""

@@ -1,0 +1,3 @@
+from lightning_llmopt.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""inference: see docs/architecture.md. Filled in by later issues."""

@@ -1,0 +1,1 @@
+"""layers: see docs/architecture.md. Filled in by later issues."""

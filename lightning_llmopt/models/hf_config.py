@@ -1,0 +1,218 @@
+"""Translate between :class:`LlamaConfig` and Hugging Face ``config.json`` for Llama, Mistral and Qwen2.
+
+Reads both the transformers 4.x spelling of RoPE (top-level ``rope_theta`` plus a ``rope_scaling`` dict) and the 5.x
+spelling (a ``rope_parameters`` dict holding ``rope_type`` and ``rope_theta``); writes both, so either major version
+reads the result. transformers itself is never imported here: a config object is read through ``to_dict()``.
+
+Sliding window: transformers shows query ``i`` the keys ``j`` with ``i - sliding_window < j <= i`` (its
+``sliding_window_overlay``), which is :class:`LlamaConfig`'s convention, so the value carries over unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_llmopt.models.config import LlamaConfig, RopeScaling
+
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+"""Supported ``model_type`` values and the transformers class each is exported as."""
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# transformers' per-architecture defaults for keys an older config.json may omit.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=4096 * 32, num_key_value_heads=8, sliding_window=4096),
+    "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32, sliding_window=4096,
+                  use_sliding_window=False, max_window_layers=28),
+}
+_UNSCALED_ROPE = (None, "default")
+
+
+def _as_dict(hf_config: Any) -> dict[str, Any]:
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if hasattr(hf_config, "to_dict"):
+        return dict(hf_config.to_dict())
+    raise TypeError(f"hf_config must be a transformers PretrainedConfig or a dict, got {type(hf_config).__name__}")
+
+
+def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` from either the 4.x or the 5.x spelling."""
+    params = cfg.get("rope_parameters")
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+    else:
+        params = dict(params)
+        layer_types = set(cfg.get("layer_types") or ())
+        nested = [key for key in params if key in layer_types]
+        if nested:  # 5.x per-layer-type RoPE: accept it only when every layer type uses the same one
+            distinct = {repr(sorted(params[key].items())) for key in nested if params[key] is not None}
+            if len(distinct) != 1:
+                raise NotImplementedError(f"different RoPE per layer type is not supported: {params}")
+            params = dict(params[nested[0]])
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type"))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise NotImplementedError(f"partial_rotary_factor ({partial}) is not supported; only 1.0 is")
+    if rope_type in _UNSCALED_ROPE:
+        return theta, None
+    needs = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}.get(str(rope_type))
+    if needs is None:
+        raise NotImplementedError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3")
+    missing = [key for key in needs if key not in params]
+    if missing:
+        raise ValueError(f"rope type {rope_type!r} needs key(s) {missing}; got {params}")
+    if rope_type == "linear":
+        return theta, RopeScaling(type="linear", factor=float(params["factor"]))
+    original = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+    return theta, RopeScaling(
+        type="llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]), original_max_position_embeddings=int(original),
+    )
+
+
+def _rope_to_hf(config: LlamaConfig) -> dict[str, Any]:
+    """The RoPE keys of a config.json, in the 4.x (``rope_theta``, ``rope_scaling``) and 5.x spellings at once."""
+    scaling = config.rope_scaling
+    if scaling is None:
+        legacy: dict[str, Any] | None = None
+        params: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    elif scaling.type == "linear":
+        legacy = {"rope_type": "linear", "factor": scaling.factor}
+        params = {**legacy, "rope_theta": config.rope_theta}
+    else:
+        legacy = {
+            "rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        }
+        params = {**legacy, "rope_theta": config.rope_theta}
+    return {"rope_theta": config.rope_theta, "rope_scaling": legacy, "rope_parameters": params}
+
+
+def _sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, n_layers: int) -> int | None:
+    """The window applied to every layer, or ``None``; partial (per-layer) windows are refused."""
+    if arch == "llama":
+        return None  # transformers' Llama ignores any sliding_window key
+    window = cfg.get("sliding_window", _DEFAULTS[arch].get("sliding_window"))
+    if arch == "mistral" or window is None:
+        return None if window is None else int(window)
+    # qwen2: the window applies to the layers named "sliding_attention" (5.x), else to layers >= max_window_layers.
+    layer_types = cfg.get("layer_types")
+    if not cfg.get("use_sliding_window", False):
+        return None
+    if layer_types is None:
+        first = int(cfg.get("max_window_layers", _DEFAULTS["qwen2"]["max_window_layers"]))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    sliding = [t == "sliding_attention" for t in layer_types]
+    if all(sliding):
+        return int(window)
+    if not any(sliding):
+        return None
+    raise NotImplementedError(
+        f"sliding window ({window}) on only some layers (layer_types={list(layer_types)}, max_window_layers="
+        f"{cfg.get('max_window_layers')}) is not supported; LlamaConfig applies one window to every layer"
+    )
+
+
+def _check_supported(cfg: Mapping[str, Any], arch: str) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise NotImplementedError(f"hidden_act ({act!r}) is not supported; only 'silu' (SwiGLU) is")
+    if cfg.get("mlp_bias", False):
+        raise NotImplementedError("mlp_bias (True) is not supported")
+    if arch != "qwen2" and cfg.get("attention_bias", False):
+        raise NotImplementedError(f"attention_bias (True) on model_type {arch!r} is not supported (o_proj bias)")
+    missing = [key for key in _REQUIRED if key not in cfg]
+    if missing:
+        raise ValueError(f"config is missing required key(s) {missing}")
+
+
+def config_from_hf(hf_config: Any, **overrides: Any) -> tuple[LlamaConfig, str]:
+    """Build a :class:`LlamaConfig` from a transformers config object or a ``config.json`` dict.
+
+    Arguments:
+        hf_config: a ``PretrainedConfig`` (4.51+ or 5.x) or the dict loaded from ``config.json``.
+        overrides: :class:`LlamaConfig` fields to set on top (e.g. ``attn_backend="eager"``, ``max_seq_len``).
+
+    Returns: ``(config, arch)`` with ``arch`` one of ``"llama"``, ``"mistral"``, ``"qwen2"``.
+
+    Raises ``ValueError`` for an unknown ``model_type`` or missing keys, ``NotImplementedError`` for features the
+    reference model lacks (other RoPE types, ``mlp_bias``, Llama ``attention_bias``, per-layer sliding windows).
+    """
+    cfg = _as_dict(hf_config)
+    arch = cfg.get("model_type")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"model_type ({arch!r}) is not supported; supported: {sorted(ARCHITECTURES)}")
+    _check_supported(cfg, arch)
+    cfg = {**_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None or k == "sliding_window"}}
+    n_heads = int(cfg["num_attention_heads"])
+    theta, scaling = _rope_from_hf(cfg)
+    values: dict[str, Any] = dict(
+        vocab_size=int(cfg["vocab_size"]), dim=int(cfg["hidden_size"]), n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=n_heads, n_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_heads),
+        ffn_hidden_dim=int(cfg["intermediate_size"]), norm_eps=float(cfg["rms_norm_eps"]), rope_theta=theta,
+        rope_scaling=scaling, max_seq_len=int(cfg["max_position_embeddings"]),
+        sliding_window=_sliding_window_from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
+        qkv_bias=arch == "qwen2", tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        init_std=float(cfg.get("initializer_range", 0.02)), name=str(cfg.get("_name_or_path") or arch),
+    )
+    values.update(overrides)
+    return LlamaConfig(**values), arch
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_arch(config: LlamaConfig, arch: str) -> None:
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch ({arch!r}) is not supported; supported: {sorted(ARCHITECTURES)}")
+    if arch == "qwen2" and not config.qkv_bias:
+        raise ValueError("arch 'qwen2' requires qkv_bias=True (Qwen2 always has q/k/v biases)")
+    if arch != "qwen2" and config.qkv_bias:
+        raise ValueError(f"arch {arch!r} has no q/k/v biases but qkv_bias is True; export as 'qwen2'")
+    if arch == "llama" and config.sliding_window is not None:
+        raise ValueError(f"arch 'llama' has no sliding window but sliding_window is {config.sliding_window}; "
+                         "export as 'mistral' or 'qwen2'")
+
+
+def config_to_hf(config: LlamaConfig, arch: str = "llama", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A ``config.json`` dict that transformers (4.51+ and 5.x) reads as the same model.
+
+    Arguments:
+        config: the model's :class:`LlamaConfig`.
+        arch: ``"llama"``, ``"mistral"`` or ``"qwen2"``; checked against ``qkv_bias`` and ``sliding_window``.
+        dtype: recorded as ``torch_dtype`` (4.x) and ``dtype`` (5.x): the dtype of the saved weights.
+    """
+    _check_arch(config, arch)
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": config.vocab_size,
+        "hidden_size": config.dim, "intermediate_size": config.ffn_hidden_dim,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
+        **_rope_to_hf(config), "tie_word_embeddings": config.tie_embeddings, "initializer_range": config.init_std,
+        "attention_dropout": 0.0, "use_cache": True, "torch_dtype": _dtype_name(dtype), "dtype": _dtype_name(dtype),
+    }
+    if arch == "llama":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif arch == "mistral":
+        out["sliding_window"] = config.sliding_window
+    else:
+        sliding = config.sliding_window is not None
+        out.update(
+            use_sliding_window=sliding, sliding_window=config.sliding_window,
+            max_window_layers=0 if sliding else config.n_layers,
+            layer_types=["sliding_attention" if sliding else "full_attention"] * config.n_layers,
+        )
+    return out

@@ -1,0 +1,222 @@
+"""Reference Llama-family decoder: RMSNorm, RoPE, GQA attention (optional sliding window), SwiGLU MLP.
+
+The model has no parallel layers and makes no ``torch.distributed`` calls: parallelism is applied to a finished
+model by functions in :mod:`lightning_llmopt.parallel`. Blocks live in a ``ModuleDict`` keyed ``"0".."L-1"`` so that
+pipeline stages can drop blocks (and the embedding, final norm or head, set to ``None``) and keep their names.
+
+Parameter names: ``tok_embeddings``, ``layers.{i}.attention_norm``, ``layers.{i}.attention.{wq,wk,wv,wo}``,
+``layers.{i}.ffn_norm``, ``layers.{i}.feed_forward.{w1 (gate), w2 (down), w3 (up)}``, ``norm``, ``output``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_llmopt.models.attention import AttentionMask, attention
+from lightning_llmopt.models.config import LlamaConfig
+from lightning_llmopt.models.kv_cache import KVCache
+from lightning_llmopt.models.rope import apply_rope, rope_table
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich, arXiv 1910.07467), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_id: int) -> None:
+        super().__init__()
+        assert config.n_kv_heads is not None and config.head_dim is not None
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.window = config.sliding_window
+        self.backend = config.attn_backend
+        self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask,
+                kv_cache: KVCache | None = None) -> Tensor:
+        B, T, _ = x.shape
+        # Heads from the output size, not the config, so a tensor-parallel shard with fewer local heads works.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, rope, positions), apply_rope(k, rope, positions)
+        if kv_cache is not None:
+            k, v, k_positions = kv_cache.update(self.layer_id, k, v, positions)
+            mask = AttentionMask(positions, k_positions, window=self.window)
+        out = attention(q, k, v, mask, backend=self.backend)  # (B, H, T, D)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` (Shazeer, arXiv 2002.05202)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_id: int) -> None:
+        super().__init__()
+        assert config.ffn_hidden_dim is not None
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, layer_id)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+
+    def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask,
+                kv_cache: KVCache | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, positions, mask, kv_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Llama-family decoder.
+
+    Arguments:
+        config: a :class:`LlamaConfig`.
+
+    Build on the meta device and materialise with ``model.to_empty(device=...)`` then ``model.init_weights()``;
+    eager construction initialises the same way.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        assert config.head_dim is not None
+        self.register_buffer("rope", rope_table(config.max_seq_len, config.head_dim, config.rope_theta,
+                                                config.rope_scaling), persistent=False)
+        if not self.rope.is_meta:
+            self.init_weights()
+
+    # ------------------------------------------------------------------ initialisation
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialise every parameter and buffer in place; works after ``to_empty`` from the meta device.
+
+        Linear and embedding weights ~ N(0, init_std); each block's output projections (``wo``, ``w2``) use
+        ``init_std / sqrt(2 * n_layers)``; biases are zero and norm weights one.
+        """
+        cfg = self.config
+        self.reset_buffers(buffer_device)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = out_std if name.endswith((".wo", ".w2")) else cfg.init_std
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        if cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the (non-persistent) RoPE table, e.g. after ``to_empty`` or ``load_state_dict(assign=True)``."""
+        cfg = self.config
+        assert cfg.head_dim is not None
+        device = device if device is not None else self.rope.device
+        if torch.device(device).type == "meta":
+            device = next((p.device for p in self.parameters() if not p.is_meta), torch.device("cpu"))
+        self.rope = rope_table(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device=device)
+
+    # ------------------------------------------------------------------ forward
+    def hidden_states(self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None,
+                      kv_cache: KVCache | None = None) -> Tensor:
+        """Final-norm hidden states ``(B, T, dim)``.
+
+        Arguments:
+            tokens: ``(B, T)`` int64 token ids, or ``(B, T, dim)`` hidden states for a pipeline stage without
+                the embedding.
+            positions: ``(B, T)`` int64 positions (default ``arange(T)``; per document when packing).
+            doc_ids: ``(B, T)`` document index of each token of packed rows; attention never crosses documents.
+                Positions default to restarting at each document.
+            kv_cache: a :class:`~lightning_llmopt.models.kv_cache.KVCache` to store and read keys/values.
+        """
+        B, T = tokens.shape[:2]
+        plain = positions is None and doc_ids is None and kv_cache is None
+        if positions is None:
+            if doc_ids is not None:
+                from lightning_llmopt.models.attention import positions_from_doc_ids
+
+                positions = positions_from_doc_ids(doc_ids)
+            else:
+                positions = torch.arange(T, device=tokens.device).expand(B, T)
+        self._check_positions(positions, given=not plain)
+        mask = AttentionMask(positions, positions, doc_ids, doc_ids, window=self.config.sliding_window,
+                             plain_causal=plain and self.config.sliding_window is None)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            h = block(h, self.rope, positions, mask, kv_cache)
+        return self.norm(h) if self.norm is not None else h
+
+    def _check_positions(self, positions: Tensor, given: bool) -> None:
+        limit = self.config.max_seq_len
+        if positions.shape[1] > limit and not given:
+            raise ValueError(f"sequence length ({positions.shape[1]}) exceeds max_seq_len ({limit})")
+        # Explicit positions are checked on the host (one sync), except where that is impossible.
+        if given and positions.numel() and not positions.is_meta and not torch.compiler.is_compiling():
+            top = int(positions.max())
+            if top >= limit:
+                raise ValueError(f"position {top} is beyond max_seq_len ({limit})")
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None,
+                kv_cache: KVCache | None = None) -> Tensor:
+        """Logits ``(B, T, vocab_size)`` in the parameters' dtype; see :meth:`hidden_states` for the arguments."""
+        h = self.hidden_states(tokens, positions, doc_ids, kv_cache)
+        return self.output(h) if self.output is not None else h
+
+    # ------------------------------------------------------------------ accounting
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of distinct parameters (tied weights counted once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """Model FLOPs per token (PaLM appendix B): ``6 N + 6 L H D T`` for training (causal attention, half the
+        ``12 L H D T`` of full attention), ``2 N + 2 L H D T`` for a forward pass; ``N`` excludes the embedding
+        lookup but includes the output head.
+        """
+        cfg = self.config
+        assert cfg.head_dim is not None
+        n = sum(p.numel() for p in self.parameters())
+        if not cfg.tie_embeddings:
+            n -= cfg.vocab_size * cfg.dim  # the embedding lookup does no matmul
+        ctx = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
+        attn = cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx
+        return (6 * n + 6 * attn) if training else (2 * n + 2 * attn)

@@ -1,0 +1,166 @@
+"""``CausalLMModule``: next-token training of the reference decoder inside Lightning."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torchmetrics import MeanMetric
+from torchmetrics.text import Perplexity
+from typing_extensions import override
+
+from lightning_llmopt.models import Llama, LlamaConfig
+
+IGNORE_INDEX = -100
+
+
+class CausalLMModule(L.LightningModule):
+    """Causal language modelling with AdamW, linear warm-up and cosine decay.
+
+    Batches are dicts with ``input_ids`` ``(B, T)`` int64 and ``labels`` ``(B, T)`` int64 (``-100`` is ignored), and
+    optionally ``positions`` and ``doc_ids`` ``(B, T)`` for packed rows.
+
+    Arguments:
+        model: a preset name (see :data:`lightning_llmopt.models.PRESETS`), a :class:`LlamaConfig`, or its dict.
+        model_overrides: fields that replace the preset's (e.g. ``{"attn_backend": "eager"}``).
+        learning_rate: peak learning rate.
+        weight_decay: AdamW decay, applied to matrices only (not norms, biases or embeddings).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warm-up from 0 to ``learning_rate``.
+        max_steps: end of the cosine decay; ``None`` takes the trainer's step budget.
+        min_lr_ratio: the learning rate at ``max_steps`` as a fraction of the peak.
+    """
+
+    def __init__(
+        self,
+        model: str | LlamaConfig | dict[str, Any] = "debug-1m",
+        model_overrides: dict[str, Any] | None = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 100,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if isinstance(model, str):
+            self.config = LlamaConfig.from_preset(model, **(model_overrides or {}))
+        else:
+            values = model.to_dict() if isinstance(model, LlamaConfig) else dict(model)
+            self.config = LlamaConfig(**{**values, **(model_overrides or {})})
+        for name, value in (("learning_rate", learning_rate), ("warmup_steps", warmup_steps + 1)):
+            if value <= 0:
+                raise ValueError(f"{name} ({value}) must be positive")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio ({min_lr_ratio}) must be in [0, 1]")
+        self.save_hyperparameters(ignore=["model", "model_overrides"])
+        self.hparams["model"] = self.config.to_dict()  # the resolved config, so load_from_checkpoint rebuilds it
+        self.model: Llama | None = None
+        self.val_loss = MeanMetric()
+        self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+        self.tokens_seen = 0
+
+    # ------------------------------------------------------------------ construction
+    @override
+    def configure_model(self) -> None:
+        """Build the decoder inside the strategy's init context (the meta device for sharded strategies)."""
+        if self.model is None:
+            self.model = Llama(self.config)
+
+    @override
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        vocab = getattr(datamodule, "vocab_size", None)
+        if vocab is not None and vocab > self.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer's vocabulary ({vocab}) is larger than the model's vocab_size "
+                f"({self.config.vocab_size}); choose a larger vocab_size or a smaller tokenizer"
+            )
+
+    # ------------------------------------------------------------------ steps
+    def _logits(self, batch: dict[str, Tensor]) -> Tensor:
+        assert self.model is not None, "configure_model() has not run"
+        return self.model(batch["input_ids"], positions=batch.get("positions"), doc_ids=batch.get("doc_ids"))
+
+    @staticmethod
+    def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+        """Mean next-token cross-entropy over labels != -100, in fp32."""
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    @override
+    def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
+        assert self.model is not None, "configure_model() has not run"
+        return self.model(input_ids, **kwargs)
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss_fn(self._logits(batch), batch["labels"])
+        self.tokens_seen += batch["input_ids"].numel() * self.trainer.world_size
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/tokens_seen", float(self.tokens_seen))
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        logits = self._logits(batch)
+        labels = batch["labels"]
+        loss = self.loss_fn(logits, labels)
+        self.val_loss.update(loss, weight=(labels != IGNORE_INDEX).sum())
+        self.val_ppl.update(logits.float(), labels)
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/ppl", self.val_ppl)
+
+    # ------------------------------------------------------------------ optimisation
+    def _total_steps(self) -> int:
+        if self.hparams.max_steps:
+            return int(self.hparams.max_steps)
+        if self._trainer is not None and self.trainer.max_steps > 0:
+            return int(self.trainer.max_steps)
+        if self._trainer is not None:
+            return int(self.trainer.estimated_stepping_batches)
+        return 10_000
+
+    def lr_lambda(self, step: int) -> float:
+        """Multiplier of the peak rate: linear warm-up, then cosine decay to ``min_lr_ratio`` at max_steps."""
+        hp = self.hparams
+        if step < hp.warmup_steps:
+            return (step + 1) / (hp.warmup_steps + 1)
+        total = max(self._total_steps(), hp.warmup_steps + 1)
+        progress = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+        return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    @override
+    def configure_optimizers(self) -> Any:
+        assert self.model is not None
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.ndim >= 2 and "tok_embeddings" not in name else no_decay).append(p)
+        hp = self.hparams
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        fused = all(p.is_cuda for p in decay + no_decay) and len(decay + no_decay) > 0
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, fused=fused)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_lambda)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoint extras
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+
+    @override
+    def on_fit_start(self) -> None:
+        assert self.model is not None
+        rank_zero_info(f"model {self.config.name}: {self.model.num_params() / 1e6:.2f}M parameters")

@@ -1,0 +1,1 @@
+"""quantization: see docs/architecture.md. Filled in by later issues."""

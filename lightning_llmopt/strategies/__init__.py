@@ -1,0 +1,1 @@
+"""strategies: see docs/architecture.md. Filled in by later issues."""
