@@ -99,6 +99,8 @@ class LLMOptCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``llmopt`` console script."""
+    if not RequirementCache("jsonargparse[signatures]>=4.32"):
+        raise SystemExit("llmopt needs the command-line extra: pip install 'lightning_llmopt[cli]'")
     LLMOptCLI(
         CausalLMModule,
         TextDataModule,
