@@ -1,0 +1,54 @@
+"""Test helpers shipped for users' tests too.
+
+- :mod:`lightning_llmopt.testing.distributed`: a reusable pool of gloo worker processes
+  (:class:`DistributedPool`, :func:`run_distributed`).
+- :mod:`lightning_llmopt.testing.markers`: ``RunIf``, ``gpu``/``multigpu`` markers (imports pytest).
+- :mod:`lightning_llmopt.testing.triton`: running Triton kernels in the interpreter on CPU.
+
+Importing this package imports neither pytest nor triton; ``RunIf`` and the markers load pytest on first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_llmopt.testing.distributed import (
+    DistributedPool,
+    DistributedTaskError,
+    DistributedTimeoutError,
+    close_all_pools,
+    get_pool,
+    run_distributed,
+)
+from lightning_llmopt.testing.triton import (
+    enable_interpreter_without_cuda,
+    triton_available,
+    triton_interpret,
+    triton_interpreter_available,
+    triton_interpreter_enabled,
+)
+
+_MARKER_NAMES = ("RunIf", "gpu", "multigpu", "requires_triton", "skip_unavailable", "register_markers")
+
+__all__ = [
+    "DistributedPool",
+    "DistributedTaskError",
+    "DistributedTimeoutError",
+    "close_all_pools",
+    "enable_interpreter_without_cuda",
+    "get_pool",
+    "run_distributed",
+    "triton_available",
+    "triton_interpret",
+    "triton_interpreter_available",
+    "triton_interpreter_enabled",
+    *_MARKER_NAMES,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MARKER_NAMES:  # lazy: these need pytest
+        from lightning_llmopt.testing import markers
+
+        return getattr(markers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,79 @@
+"""Running Triton kernels on CPU through the Triton interpreter.
+
+With ``TRITON_INTERPRET=1`` a ``@triton.jit`` kernel is executed in Python with numpy on CPU tensors, which is
+how the kernel tests run in CPU CI (small shapes, fp32/fp16; bf16 numerics and speed need a GPU).
+
+Caveat: the variable is read when a kernel is *decorated* (Triton 3.x reads ``triton.knobs.runtime.interpret`` in
+``triton.jit``; some older releases read it when ``triton`` is imported). A kernel module imported before the
+variable was set keeps compiling for the GPU. Set it before importing kernel modules: ``tests/conftest.py``
+does so at import time whenever CUDA is absent, via :func:`enable_interpreter_without_cuda`.
+:func:`triton_interpret` only helps for kernels decorated inside the ``with`` block.
+
+This module never imports ``triton`` at import time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = [
+    "enable_interpreter_without_cuda",
+    "triton_available",
+    "triton_interpret",
+    "triton_interpreter_available",
+    "triton_interpreter_enabled",
+]
+
+_ENV = "TRITON_INTERPRET"
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package is installed (not imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreter_available() -> bool:
+    """Whether the installed Triton ships the interpreter (``triton.runtime.interpreter``)."""
+    if not triton_available():
+        return False
+    try:
+        return importlib.util.find_spec("triton.runtime.interpreter") is not None
+    except ImportError:
+        return False
+
+
+def triton_interpreter_enabled() -> bool:
+    """Whether kernels decorated from now on will run in the interpreter."""
+    return os.environ.get(_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+@contextmanager
+def triton_interpret(enabled: bool = True) -> Iterator[None]:
+    """Set ``TRITON_INTERPRET`` inside the block and restore its previous value after.
+
+    Affects only kernels decorated with ``triton.jit`` inside the block (see the module caveat).
+    """
+    previous = os.environ.get(_ENV)
+    os.environ[_ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = previous
+
+
+def enable_interpreter_without_cuda() -> bool:
+    """Set ``TRITON_INTERPRET=1`` when no CUDA device is present, unless the user already set it.
+
+    Returns whether the interpreter is enabled afterwards. Call before any kernel module is imported.
+    """
+    import torch
+
+    if _ENV not in os.environ and not torch.cuda.is_available():
+        os.environ[_ENV] = "1"
+    return triton_interpreter_enabled()

@@ -1,0 +1,186 @@
+"""The reusable gloo worker pool: collectives, per-rank results, remote errors, reuse, sub-groups, timeouts."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_llmopt.testing.distributed import DistributedPool, DistributedTaskError, DistributedTimeoutError
+
+
+def _all_reduce_rank_values(scale: float) -> list[float]:
+    t = torch.tensor([scale * (dist.get_rank() + 1), 1.0])
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _rank_info(tag: str, *, suffix: str = "") -> tuple[int, int, str, int]:
+    return dist.get_rank(), dist.get_world_size(), tag + suffix, os.getpid()
+
+
+def _getenv(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def _fail_on_rank_one(message: str) -> int:
+    if dist.get_rank() == 1:
+        raise ValueError(message)
+    return dist.get_rank()
+
+
+def _mesh_2x2() -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rank = dist.get_rank()
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mesh.get_group("tp"))  # ranks {0,1} and {2,3} along tp (row-major mesh)
+    u = torch.tensor([float(rank)])
+    dist.all_reduce(u, group=mesh.get_group("dp"))  # ranks {0,2} and {1,3} along dp
+    return {
+        "coord": list(mesh.get_coordinate() or []),
+        "tp_sum": t.item(),
+        "dp_sum": u.item(),
+        "tp_size": mesh["tp"].size(),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_reduce_sums_over_ranks(dist_pool, world_size: int) -> None:
+    results = dist_pool(world_size).run(_all_reduce_rank_values, 0.5)
+    expected = [0.5 * world_size * (world_size + 1) / 2, float(world_size)]
+    assert results == [expected] * world_size
+
+
+def test_results_are_returned_per_rank(dist_pool) -> None:
+    results = dist_pool(2).run(_rank_info, "x", suffix="!")
+    assert [r[:3] for r in results] == [(0, 2, "x!"), (1, 2, "x!")]
+    assert [r[3] for r in results] == dist_pool(2).pids
+
+
+def test_error_on_rank_one_surfaces_and_pool_survives(dist_pool) -> None:
+    pool = dist_pool(2)
+    pids = pool.pids
+    with pytest.raises(DistributedTaskError) as info:
+        pool.run(_fail_on_rank_one, "boom from rank one")
+    err = info.value
+    assert err.rank == 1 and list(err.errors) == [1]
+    assert "ValueError: boom from rank one" in err.remote_traceback
+    assert "_fail_on_rank_one" in err.remote_traceback  # the remote frame, not just the message
+    assert "rank(s) 1" in str(err)
+    assert pool.run(_all_reduce_rank_values, 1.0) == [[3.0, 2.0]] * 2
+    assert pool.pids == pids  # no restart
+
+
+_SEEN_PIDS: list[list[int]] = []
+
+
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_pool_is_reused_across_tests(dist_pool, which: str) -> None:
+    pids = [r[3] for r in dist_pool(2).run(_rank_info, which)]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    _SEEN_PIDS.append(pids)
+    assert all(seen == pids for seen in _SEEN_PIDS)
+    if which == "second":
+        assert len(_SEEN_PIDS) >= 2
+
+
+def test_device_mesh_2x2_named_dims(dist_pool) -> None:
+    results = dist_pool(4).run(_mesh_2x2)
+    assert [r["coord"] for r in results] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert [r["tp_sum"] for r in results] == [1.0, 1.0, 5.0, 5.0]
+    assert [r["dp_sum"] for r in results] == [2.0, 4.0, 2.0, 4.0]
+    assert {r["tp_size"] for r in results} == {2}
+
+
+def test_local_functions_are_rejected_before_running(dist_pool) -> None:
+    def local() -> None:
+        pass
+
+    with pytest.raises(Exception, match="module level"):
+        dist_pool(2).run(local)
+
+
+def test_timeout_kills_workers_and_restarts() -> None:
+    pool = DistributedPool(1, timeout=1.0)
+    try:
+        first = pool.pids
+        with pytest.raises(DistributedTimeoutError, match="longer than 1 s"):
+            pool.run(time.sleep, 60)
+        assert not pool.started
+        assert pool.run(_rank_info, "again")[0][:3] == (0, 1, "again")
+        assert pool.pids != first
+    finally:
+        pool.close()
+
+
+_REMOTE_SOURCE = """
+import torch.distributed as dist
+
+
+class Box:
+    def __init__(self, value):
+        self.value = value
+
+
+def scaled_rank(box):
+    return Box(box.value * (dist.get_rank() + 1))
+"""
+
+
+def test_functions_from_non_importable_files_travel_by_path(dist_pool, tmp_path) -> None:
+    """Like a test file collected with --import-mode=importlib: the module name cannot be imported by workers."""
+    import importlib.util
+    import sys
+
+    path = tmp_path / "remote_helpers.py"
+    path.write_text(_REMOTE_SOURCE)
+    name = "llmopt_not_importable_helpers"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        results = dist_pool(2).run(module.scaled_rank, module.Box(3))
+    finally:
+        del sys.modules[name]
+    # The workers' Box instances come back as this process's class, loaded from the same file.
+    assert [type(r) for r in results] == [module.Box, module.Box]
+    assert [r.value for r in results] == [3, 6]
+
+
+def test_spawn_start_method_and_environment(monkeypatch) -> None:
+    monkeypatch.setenv("LLMOPT_TEST_MARKER", "from-parent")
+    with DistributedPool(1, start_method="spawn") as pool:
+        assert pool.run(_getenv, "LLMOPT_TEST_MARKER") == ["from-parent"]
+        assert pool.run(_all_reduce_rank_values, 2.0) == [[2.0, 1.0]]
+    assert not pool.started
+
+
+def test_environment_is_forwarded_through_the_forkserver(monkeypatch) -> None:
+    monkeypatch.setenv("LLMOPT_TEST_MARKER", "fresh")
+    with DistributedPool(1) as pool:
+        assert pool.run(_getenv, "LLMOPT_TEST_MARKER") == ["fresh"]
+
+
+def _fail_before_collective() -> float:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 gives up before the all_reduce")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # never matched by rank 1
+    return t.item()
+
+
+def test_error_while_others_wait_in_a_collective_fails_fast() -> None:
+    with DistributedPool(2, error_grace=1.0) as pool:
+        start = time.monotonic()
+        with pytest.raises(DistributedTaskError) as info:
+            pool.run(_fail_before_collective)
+        assert time.monotonic() - start < 60  # not the 300 s task timeout
+        assert info.value.rank == 1 and "gives up" in info.value.remote_traceback
+        assert 0 in info.value.stuck or 0 in info.value.errors  # rank 0 hung, or gloo reported the mismatch
+        assert pool.run(_all_reduce_rank_values, 1.0) == [[3.0, 2.0]] * 2  # fresh workers after the kill
