@@ -119,8 +119,9 @@ class CausalLMModule(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def _total_steps(self) -> int:
-        if self.hparams.max_steps:
-            return int(self.hparams.max_steps)
+        max_steps = self.hparams.get("max_steps")
+        if max_steps:
+            return int(max_steps)
         if self._trainer is not None and self.trainer.max_steps > 0:
             return int(self.trainer.max_steps)
         if self._trainer is not None:
@@ -129,7 +130,7 @@ class CausalLMModule(L.LightningModule):
 
     def lr_lambda(self, step: int) -> float:
         """Multiplier of the peak rate: linear warm-up, then cosine decay to ``min_lr_ratio`` at max_steps."""
-        hp = self.hparams
+        hp: Any = self.hparams
         if step < hp.warmup_steps:
             return (step + 1) / (hp.warmup_steps + 1)
         total = max(self._total_steps(), hp.warmup_steps + 1)
@@ -139,12 +140,13 @@ class CausalLMModule(L.LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         assert self.model is not None
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
             (decay if p.ndim >= 2 and "tok_embeddings" not in name else no_decay).append(p)
-        hp = self.hparams
+        hp: Any = self.hparams
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         fused = all(p.is_cuda for p in decay + no_decay) and len(decay + no_decay) > 0
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, fused=fused)

@@ -76,7 +76,7 @@ def test_resume_continues_the_schedule(tmp_path):
     full = run(40, callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="s{step}", every_n_train_steps=23,
                                               save_top_k=-1)])
     resumed = run(40, ckpt=tmp_path / "sstep=23.ckpt")
-    for (name, a), b in zip(full.named_parameters(), resumed.parameters()):
+    for (name, a), b in zip(full.named_parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
 
 

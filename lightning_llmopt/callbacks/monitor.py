@@ -49,7 +49,8 @@ def flops_per_token(pl_module: L.LightningModule, seq_len: int) -> float:
 class TrainingMonitor(L.Callback):
     """Logs throughput and memory every ``log_every_n_steps`` optimizer steps.
 
-    Metrics (per device unless named otherwise): ``perf/tokens_per_sec`` (all devices), ``perf/tokens_per_sec_per_device``,
+    Metrics (per device unless named otherwise): ``perf/tokens_per_sec`` (all devices),
+    ``perf/tokens_per_sec_per_device``,
     ``perf/step_time_s``, ``perf/tflops_per_device`` (model FLOPs, no recomputation counted), ``perf/mfu`` (GPUs only,
     against the dense peak of the chip), ``memory/max_allocated_gib`` and ``memory/max_reserved_gib`` (GPUs) or
     ``memory/max_rss_gib`` (CPU), and ``train/grad_norm`` (before clipping).
@@ -77,7 +78,8 @@ class TrainingMonitor(L.Callback):
             torch.cuda.synchronize(pl_module.device)
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if self._window_start is None and trainer.global_step >= self.skip_first_steps:
             self._sync(pl_module)
             self._window_start = time.perf_counter()

@@ -91,8 +91,9 @@ class LLMOptCLI(LightningCLI):
         if callable(baseline):
             lines.append(f"unigram baseline: {baseline():.4f} nats/token")
         ckpt = self.trainer.checkpoint_callback
-        if ckpt is not None and getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", ""):
-            lines.append(f"checkpoint: {ckpt.last_model_path or ckpt.best_model_path}")  # type: ignore[union-attr]
+        path = (getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")) if ckpt else ""
+        if path:
+            lines.append(f"checkpoint: {path}")
         if self.trainer.is_global_zero:
             print("\n".join(lines), flush=True)
 

@@ -105,7 +105,9 @@ class LlamaConfig:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
         if self.head_dim is None:
             if self.dim % self.n_heads != 0:
-                raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) unless head_dim is set")
+                raise ValueError(
+                    f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) unless head_dim is set"
+                )
             self.head_dim = self.dim // self.n_heads
         if self.head_dim <= 0 or self.head_dim % 2 != 0:
             raise ValueError(f"head_dim ({self.head_dim}) must be a positive even number (RoPE rotates pairs)")

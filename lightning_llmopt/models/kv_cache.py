@@ -6,7 +6,7 @@ The inference engine supplies its own (paged) implementation of :class:`KVCache`
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -49,7 +49,7 @@ class StaticKVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch_size: int, max_seq_len: int | None = None) -> StaticKVCache:
-        cfg = model.config  # type: ignore[attr-defined]
+        cfg: Any = model.config
         param = next(model.parameters())
         return cls(cfg.n_layers, batch_size, max_seq_len or cfg.max_seq_len, cfg.n_kv_heads, cfg.head_dim,
                    dtype=param.dtype, device=param.device)

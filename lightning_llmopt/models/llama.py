@@ -115,6 +115,7 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         assert config.head_dim is not None
+        self.rope: Tensor
         self.register_buffer("rope", rope_table(config.max_seq_len, config.head_dim, config.rope_theta,
                                                 config.rope_scaling), persistent=False)
         if not self.rope.is_meta:
