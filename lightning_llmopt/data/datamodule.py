@@ -6,7 +6,7 @@ The only module of ``lightning_llmopt.data`` that imports Lightning; the logic l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,9 @@ class TextDataModule(LightningDataModule):
         self._val: ChunkDataset | None = None
         self.num_documents = 0
         self.num_tokens = 0
+        # Callbacks (e.g. Curriculum) replace the train order by setting a factory with the signature of
+        # ResumableShardedSampler: (dataset, num_replicas=..., rank=..., seed=...) -> ResumableShardedSampler.
+        self.sampler_factory: Callable[..., ResumableShardedSampler] = ResumableShardedSampler
 
     @property
     def tokenizer(self) -> ByteTokenizer | HFTokenizer:
@@ -145,7 +148,7 @@ class TextDataModule(LightningDataModule):
         rank = trainer.global_rank if trainer is not None else 0
         world_size = trainer.world_size if trainer is not None else 1
         dataset = self.train_dataset
-        sampler = ResumableShardedSampler(dataset, num_replicas=world_size, rank=rank, seed=self.seed)
+        sampler = self.sampler_factory(dataset, num_replicas=world_size, rank=rank, seed=self.seed)
         if len(sampler) < self.batch_size:
             raise ValueError(
                 f"train split has {len(dataset)} chunks, {len(sampler)} per rank over world_size={world_size}: "
