@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 import importlib.metadata
 import json
+import os
 import platform
 import re
 import statistics
@@ -84,7 +85,8 @@ def environment() -> dict[str, Any]:
         "transformers": _version("transformers"),
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "git_commit": _git("rev-parse", "HEAD"),
+        # The GPU machine gets a copy of the tree without .git: run_gpu.sh callers pass LLMOPT_COMMIT.
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("LLMOPT_COMMIT"),
         "git_dirty": None if status is None else bool(status),
     }
 
