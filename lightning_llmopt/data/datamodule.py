@@ -15,19 +15,22 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_llmopt.data.chunks import (
-    ChunkDataset,
-    make_chunks,
-    split_chunk_indices,
-    tokenize_documents,
-    unigram_cross_entropy,
-)
+from lightning_llmopt.data.chunks import ChunkDataset, make_chunks, split_chunk_indices, unigram_cross_entropy
 from lightning_llmopt.data.corpus import default_corpus_files, read_documents
+from lightning_llmopt.data.packed import (
+    PackedDataset,
+    TokenizedDocuments,
+    pack_documents,
+    split_documents,
+    tokenize_with_lengths,
+)
+from lightning_llmopt.data.packing import ALGORITHMS
 from lightning_llmopt.data.sampler import ResumableDataLoader, ResumableShardedSampler
 from lightning_llmopt.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # Settings that change which sample sits at which position; a resumed run that changes them is not exact.
-_ORDER_KEYS = ("seed", "seq_len", "batch_size", "val_fraction", "max_bytes", "vocab_size")
+_ORDER_KEYS = ("seed", "seq_len", "batch_size", "val_fraction", "max_bytes", "vocab_size", "packing", "packing_buffer")
+SplitDataset = ChunkDataset | PackedDataset
 
 
 class TextDataModule(LightningDataModule):
@@ -36,6 +39,12 @@ class TextDataModule(LightningDataModule):
     Each document is tokenized and followed by the tokenizer's eos id; the documents are concatenated into one stream
     and cut into chunks of ``seq_len + 1`` tokens. A seeded permutation of chunk indices splits them into train and
     validation. Batches are ``{"input_ids": (B, T), "labels": (B, T)}`` int64 tensors with ``labels`` shifted by one.
+
+    With ``packing`` set, documents are instead split into train and validation by a seeded permutation of
+    documents, and each split is packed into rows of ``seq_len`` tokens (:mod:`lightning_llmopt.data.packing`):
+    batches then also carry ``positions`` and ``doc_ids`` ``(B, T)`` (positions restart at every document, labels
+    never cross one, padding has label ``-100`` and its own doc id). Document boundaries are kept from tokenization,
+    so :meth:`enable_packing` may switch modes after :meth:`setup`.
 
     The train loader shuffles with an order that depends only on ``(seed, epoch)``, shards it over
     ``trainer.world_size`` ranks, and records how far training got, so resuming from a mid-epoch checkpoint continues
@@ -51,6 +60,8 @@ class TextDataModule(LightningDataModule):
         num_workers: DataLoader worker processes.
         seed: seeds the split and the per-epoch shuffles.
         jsonl_key: field of each ``.jsonl`` record that holds the text.
+        packing: ``None`` (concatenated chunks), ``"ffd"`` or ``"best_fit"`` (packed rows; see above).
+        packing_buffer: documents held by the streaming packer at once (larger packs tighter).
     """
 
     def __init__(
@@ -64,6 +75,8 @@ class TextDataModule(LightningDataModule):
         num_workers: int = 0,
         seed: int = 1234,
         jsonl_key: str = "text",
+        packing: str | None = None,
+        packing_buffer: int = 1024,
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
@@ -75,6 +88,7 @@ class TextDataModule(LightningDataModule):
             raise ValueError(f"max_bytes ({max_bytes!r}) must be positive or None")
         if num_workers < 0:
             raise ValueError(f"num_workers ({num_workers!r}) must be >= 0")
+        _check_packing(packing, packing_buffer)
         if data_path is not None and not Path(data_path).expanduser().exists():
             raise FileNotFoundError(f"data_path {data_path!r} does not exist")
         self.save_hyperparameters()
@@ -86,9 +100,14 @@ class TextDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.jsonl_key = jsonl_key
+        self.packing = packing
+        self.packing_buffer = packing_buffer
         self._tokenizer = load_tokenizer(tokenizer)
-        self._train: ChunkDataset | None = None
-        self._val: ChunkDataset | None = None
+        self._docs: TokenizedDocuments | None = None
+        self._train: SplitDataset | None = None
+        self._val: SplitDataset | None = None
+        # Packing mode only: {"waste_before", "waste_after", "rows", "documents"} of the train split.
+        self.padding_stats: dict[str, float] | None = None
         self.num_documents = 0
         self.num_tokens = 0
         # Callbacks (e.g. Curriculum) replace the train order by setting a factory with the signature of
@@ -115,31 +134,67 @@ class TextDataModule(LightningDataModule):
         """Tokenizes and splits the corpus once per process (kept in memory; nothing is written to disk)."""
         if self._train is not None:
             return
-        tokens, self.num_documents = tokenize_documents(self._documents(), self._tokenizer, self.max_bytes)
-        self.num_tokens = tokens.numel()
-        chunks = make_chunks(tokens, self.seq_len)  # (C, T + 1)
-        if chunks.shape[0] < 2:
-            source = self.data_path or "the default corpus"
-            raise ValueError(
-                f"{source!r} gives {tokens.numel()} tokens, {chunks.shape[0]} chunk(s) of seq_len + 1 = "
-                f"{self.seq_len + 1}: need at least 2 (more data, a smaller seq_len, or a larger max_bytes)"
-            )
-        train_idx, val_idx = split_chunk_indices(chunks.shape[0], self.val_fraction, self.seed)
-        self._train = ChunkDataset(chunks[train_idx])
-        self._val = ChunkDataset(chunks[val_idx])
+        self._docs = tokenize_with_lengths(self._documents(), self._tokenizer, self.max_bytes)
+        self.num_documents = self._docs.lengths.numel()
+        self.num_tokens = self._docs.tokens.numel()
+        self._build_datasets()
 
-    def _datasets(self) -> tuple[ChunkDataset, ChunkDataset]:
+    def enable_packing(self, algorithm: str = "ffd", buffer_size: int = 1024) -> None:
+        """Switches to packed rows (``algorithm`` ``"ffd"`` or ``"best_fit"``), before or after :meth:`setup`;
+        dataloaders built afterwards serve packed batches."""
+        _check_packing(algorithm, buffer_size)
+        changed = (algorithm, buffer_size) != (self.packing, self.packing_buffer)
+        self.packing, self.packing_buffer = algorithm, buffer_size
+        if changed and self._docs is not None:
+            self._build_datasets()
+
+    def _build_datasets(self) -> None:
+        assert self._docs is not None
+        source = self.data_path or "the default corpus"
+        if self.packing is None:
+            self.padding_stats = None
+            tokens = self._docs.tokens
+            chunks = make_chunks(tokens, self.seq_len)  # (C, T + 1)
+            if chunks.shape[0] < 2:
+                raise ValueError(
+                    f"{source!r} gives {tokens.numel()} tokens, {chunks.shape[0]} chunk(s) of seq_len + 1 = "
+                    f"{self.seq_len + 1}: need at least 2 (more data, a smaller seq_len, or a larger max_bytes)"
+                )
+            train_idx, val_idx = split_chunk_indices(chunks.shape[0], self.val_fraction, self.seed)
+            self._train, self._val = ChunkDataset(chunks[train_idx]), ChunkDataset(chunks[val_idx])
+            return
+        if self.num_documents < 2:
+            raise ValueError(
+                f"{source!r} gives {self.num_documents} document(s): packing splits train and validation by "
+                "document and needs at least 2"
+            )
+        pad_id = self._tokenizer.eos_id if self._tokenizer.eos_id is not None else 0
+        train_idx, val_idx = split_documents(self._docs, self.val_fraction, self.seed)
+        train, val = (
+            pack_documents(self._docs.select(idx), self.seq_len, self.packing, self.packing_buffer, pad_id)
+            for idx in (train_idx, val_idx)
+        )
+        self._train, self._val = train, val
+        waste = train.padding_waste()
+        self.padding_stats = {
+            "waste_before": waste.before,
+            "waste_after": waste.after,
+            "rows": float(waste.rows_after),
+            "documents": float(train_idx.numel()),
+        }
+
+    def _datasets(self) -> tuple[SplitDataset, SplitDataset]:
         if self._train is None or self._val is None:
             self.setup("fit")
         assert self._train is not None and self._val is not None
         return self._train, self._val
 
     @property
-    def train_dataset(self) -> ChunkDataset:
+    def train_dataset(self) -> SplitDataset:
         return self._datasets()[0]
 
     @property
-    def val_dataset(self) -> ChunkDataset:
+    def val_dataset(self) -> SplitDataset:
         return self._datasets()[1]
 
     @override
@@ -151,7 +206,8 @@ class TextDataModule(LightningDataModule):
         sampler = self.sampler_factory(dataset, num_replicas=world_size, rank=rank, seed=self.seed)
         if len(sampler) < self.batch_size:
             raise ValueError(
-                f"train split has {len(dataset)} chunks, {len(sampler)} per rank over world_size={world_size}: "
+                f"train split has {len(dataset)} {'rows' if self.packing else 'chunks'}, {len(sampler)} per rank "
+                f"over world_size={world_size}: "
                 f"fewer than batch_size ({self.batch_size}); use more data or a smaller batch_size/seq_len"
             )
         return ResumableDataLoader(
@@ -170,8 +226,11 @@ class TextDataModule(LightningDataModule):
 
     def unigram_entropy(self) -> float:
         """Cross-entropy (nats/token) on the validation labels of an add-one-smoothed unigram model fit on the train
-        labels: the baseline a trained model must beat."""
+        labels: the baseline a trained model must beat. Packed: on the train and validation documents' tokens."""
         train, val = self._datasets()
+        if isinstance(train, PackedDataset) and isinstance(val, PackedDataset):
+            return unigram_cross_entropy(train.tokens, val.tokens, self.vocab_size)
+        assert isinstance(train, ChunkDataset) and isinstance(val, ChunkDataset)
         return unigram_cross_entropy(train.chunks[:, 1:], val.chunks[:, 1:], self.vocab_size)
 
     @override
@@ -184,6 +243,8 @@ class TextDataModule(LightningDataModule):
             "val_fraction": self.val_fraction,
             "max_bytes": self.max_bytes,
             "vocab_size": self.vocab_size,
+            "packing": self.packing,
+            "packing_buffer": self.packing_buffer,
         }
 
     @override
@@ -200,3 +261,10 @@ class TextDataModule(LightningDataModule):
                 f"TextDataModule settings differ from the checkpoint ({'; '.join(changed)}); "
                 "training resumes but will not see the same batches as an uninterrupted run"
             )
+
+
+def _check_packing(packing: str | None, buffer_size: int) -> None:
+    if packing is not None and packing not in ALGORITHMS:
+        raise ValueError(f"packing ({packing!r}) must be None or one of {ALGORITHMS}")
+    if not isinstance(buffer_size, int) or buffer_size < 1:
+        raise ValueError(f"packing_buffer ({buffer_size!r}) must be a positive integer")

@@ -149,3 +149,7 @@ def positions_from_doc_ids(doc_ids: Tensor) -> Tensor:
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     start_idx = torch.where(starts, idx, torch.zeros_like(idx))
     return idx - torch.cummax(start_idx, dim=1).values
+
+
+# The "flex" backend registers itself on import; it imports flex_attention only on its first call.
+from lightning_llmopt.models import attention_flex as _attention_flex  # noqa: E402, F401
