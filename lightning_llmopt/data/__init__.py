@@ -4,6 +4,15 @@ Only ``datamodule`` imports Lightning; everything else is torch/numpy and usable
 """
 
 from lightning_llmopt.data.corpus import default_corpus_files, read_documents
+from lightning_llmopt.data.curriculum import (
+    CurriculumSampler,
+    CurriculumSamplerFactory,
+    linear,
+    root,
+    score_dataset,
+    seq_len_schedule,
+    staged,
+)
 from lightning_llmopt.data.datamodule import TextDataModule
 from lightning_llmopt.data.packing import StreamingPacker, best_fit, first_fit_decreasing, pack_rows, padding_waste
 from lightning_llmopt.data.sampler import ResumableDataLoader, ResumableShardedSampler
@@ -11,6 +20,8 @@ from lightning_llmopt.data.tokenizers import ByteTokenizer, HFTokenizer, load_to
 
 __all__ = [
     "ByteTokenizer",
+    "CurriculumSampler",
+    "CurriculumSamplerFactory",
     "HFTokenizer",
     "ResumableDataLoader",
     "ResumableShardedSampler",
@@ -19,8 +30,13 @@ __all__ = [
     "best_fit",
     "default_corpus_files",
     "first_fit_decreasing",
+    "linear",
     "load_tokenizer",
     "pack_rows",
     "padding_waste",
+    "root",
+    "score_dataset",
+    "seq_len_schedule",
+    "staged",
     "read_documents",
 ]
