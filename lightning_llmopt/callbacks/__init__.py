@@ -1,7 +1,16 @@
 """Lightning callbacks, one per file; their logic lives in data/, parallel/ and quantization/."""
 
+from lightning_llmopt.callbacks.activation_checkpointing import ActivationCheckpointing
+from lightning_llmopt.callbacks.batch_size_finder import MicroBatchSizeFinder
 from lightning_llmopt.callbacks.curriculum import Curriculum
 from lightning_llmopt.callbacks.monitor import TrainingMonitor, peak_flops
 from lightning_llmopt.callbacks.sequence_packing import SequencePacking
 
-__all__ = ["Curriculum", "SequencePacking", "TrainingMonitor", "peak_flops"]
+__all__ = [
+    "ActivationCheckpointing",
+    "Curriculum",
+    "MicroBatchSizeFinder",
+    "SequencePacking",
+    "TrainingMonitor",
+    "peak_flops",
+]
