@@ -2,6 +2,7 @@
 
     llmopt fit --config examples/configs/tiny_cpu.yaml
     llmopt validate --config examples/configs/tiny_cpu.yaml --ckpt_path runs/tiny_cpu/checkpoints/last.ckpt
+    llmopt consolidate runs/zero/checkpoints hf_out/ --dtype bf16     # sharded DCP checkpoint -> HF safetensors
 
 Unless the configuration names loggers, the run logs to CSV and to Weights & Biases, offline when no API key is
 configured (``WANDB_API_KEY`` or a netrc entry), online otherwise; ``--wandb false`` turns W&B off.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import netrc
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,12 @@ class LLMOptCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``llmopt`` console script."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "consolidate":
+        from lightning_llmopt.cli import consolidate
+
+        consolidate.main(argv[1:])
+        return
     if not RequirementCache("jsonargparse[signatures]>=4.32"):
         raise SystemExit("llmopt needs the command-line extra: pip install 'lightning_llmopt[cli]'")
     LLMOptCLI(
