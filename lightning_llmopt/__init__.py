@@ -3,6 +3,7 @@
 Importing the package needs only torch, lightning and torchmetrics: Triton, transformers and wandb load lazily.
 """
 
+import lightning_llmopt.strategies  # noqa: F401, E402  (registers zero1/zero2/zero3/zero2_offload/zero3_offload)
 from lightning_llmopt.callbacks import TrainingMonitor
 from lightning_llmopt.models import Llama, LlamaConfig
 from lightning_llmopt.module import CausalLMModule

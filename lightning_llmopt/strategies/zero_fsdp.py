@@ -1,0 +1,119 @@
+"""Stage 3 of :class:`~lightning_llmopt.strategies.ZeroStrategy`: FSDP2 ``fully_shard`` from a meta-device model.
+
+1. ``configure_model`` builds the model on the meta device (the strategy's ``tensor_init_context``).
+2. :func:`shard_module` applies ``fully_shard`` to every transformer block (the values of each ``layers``
+   ``ModuleList``/``ModuleDict``: our ``Llama.layers``, transformers' ``model.layers``), then to every top-level child
+   of the LightningModule that holds parameters (the roots whose ``forward`` the module calls), and sets forward and
+   backward prefetching of the next/previous block.
+3. :func:`materialize` allocates only the local shards (``to_empty``) and initialises them: ``init_weights()`` where a
+   module defines it (``Llama``), else ``reset_parameters()``. No rank ever holds a full copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The blocks of every ``layers`` container (``nn.ModuleList`` or ``nn.ModuleDict``) in ``module``, in order."""
+    blocks: list[nn.Module] = []
+    for name, child in module.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(child, nn.ModuleList | nn.ModuleDict):
+            blocks.extend(child.values() if isinstance(child, nn.ModuleDict) else list(child))
+    return blocks
+
+
+def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = False,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 reshard_after_forward: bool = True, prefetch: bool = True) -> list[nn.Module]:
+    """Apply FSDP2 to ``module``'s blocks then to its top-level children with parameters; returns the sharded units.
+
+    Raises ``ValueError`` (before any collective) if parameters sit directly on ``module``: they belong to no root
+    whose forward FSDP2 can hook.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    direct = [n for n, _ in module.named_parameters(recurse=False)]
+    if direct:
+        raise ValueError(f"stage 3 shards the LightningModule's children; parameters {direct} are attached directly "
+                         f"to {type(module).__name__}: move them into a submodule")
+    offload: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_parameters else OffloadPolicy()
+    kwargs: dict[str, Any] = {"mesh": mesh, "offload_policy": offload,
+                              "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    blocks = transformer_blocks(module)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    roots = [child for child in module.children() if any(True for _ in child.parameters())]
+    for root in roots:
+        fully_shard(root, reshard_after_forward=reshard_after_forward, **kwargs)
+    if prefetch and len(blocks) > 1:
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])  # type: ignore[operator]
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])  # type: ignore[operator]
+    return [*blocks, *roots]
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate meta parameters/buffers on ``device`` (local shards only) and initialise them in place."""
+    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return
+    module.to_empty(device=device)
+    done: set[int] = set()
+    for sub in module.modules():
+        if id(sub) in done:
+            continue
+        init = getattr(sub, "init_weights", None)
+        if callable(init) and sub is not module:
+            init()
+            done.update(id(m) for m in sub.modules())
+        elif callable(getattr(sub, "reset_parameters", None)) and any(True for _ in sub.parameters(recurse=False)):
+            sub.reset_parameters()  # type: ignore[operator]
+
+
+def fsdp_units(module: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module) -> Iterator[None]:
+    """Accumulate unsharded gradients locally (no reduce-scatter) within the context."""
+    units = fsdp_units(module)
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)  # type: ignore[operator]
+
+
+def local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def memory_bytes(module: nn.Module, optimizers: list[Any]) -> dict[str, int]:
+    """Per-rank bytes of (local shards of) parameters, gradients and optimizer state, from tensor sizes."""
+    def nbytes(t: Tensor) -> int:
+        x = local(t)
+        return x.numel() * x.element_size()
+
+    params = list(module.parameters())
+    state = 0
+    for opt in optimizers:
+        for s in opt.state.values():
+            state += sum(nbytes(v) for v in s.values() if isinstance(v, Tensor))
+    return {"parameters": sum(nbytes(p) for p in params),
+            "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_state": state, "master_weights": 0}
