@@ -152,4 +152,7 @@ def positions_from_doc_ids(doc_ids: Tensor) -> Tensor:
 
 
 # The "flex" backend registers itself on import; it imports flex_attention only on its first call.
-from lightning_llmopt.models import attention_flex as _attention_flex  # noqa: E402, F401
+from lightning_llmopt.models import attention_flex as _attention_flex  # noqa: E402, F401, I001
+
+# The "triton" backend (our flash-attention kernel) registers itself the same way; Triton loads on first use.
+from lightning_llmopt.models import attention_triton as _attention_triton  # noqa: E402, F401

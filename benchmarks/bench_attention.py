@@ -1,0 +1,450 @@
+"""Flash attention on one GPU, bf16: our Triton kernels beside SDPA-flash, SDPA-cuDNN and FlexAttention (compiled).
+
+Families (run each in its own process: autotuning and compile caches distort later shapes):
+
+- ``hd64`` / ``hd128``: B*S = 16k tokens, H*D = 2048, S in {1k, 2k, 4k, 8k, 16k}, causal and not; forward,
+  backward and forward+backward TFLOP/s (FLOPs 4*B*H*S^2*D forward, x0.5 causal; backward 2.5x forward);
+- ``varlen``: 16 documents packed into 16k tokens (hd128): ours (cu_seqlens) vs Flex with a document mask vs
+  dense causal attention over the 16k tokens (ours and cuDNN);
+- ``window``: S = 16k, sliding windows 256..4096 (hd128): ours vs Flex with a window mask;
+- ``check``: bf16 correctness at larger shapes against an fp64 reference (the 2x-PyTorch rule).
+
+Usage: ``python benchmarks/bench_attention.py --family hd128`` (records in benchmarks/results/attention-*.json).
+"""
+
+# ruff: noqa: B023 - the closures built in the loops are timed and dropped within their own iteration
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+_spec = importlib.util.spec_from_file_location("records", Path(__file__).resolve().parent / "records.py")
+records = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(records)  # type: ignore[union-attr]
+
+from lightning_llmopt.kernels import flash_attention, flash_attention_ref  # noqa: E402
+
+TOKENS, HIDDEN = 16384, 2048
+SEQS = (1024, 2048, 4096, 8192, 16384)
+
+
+def bench(fn) -> float:  # type: ignore[no-untyped-def]
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def _fwd_bwd(fn, q, k, v, do):  # type: ignore[no-untyped-def]
+    def run():  # type: ignore[no-untyped-def]
+        out = fn(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    return run
+
+
+def _variants(causal: bool, S: int, D: int):  # type: ignore[no-untyped-def]
+    """name -> fn(q, k, v) on (B, H, S, D) tensors (ours gets (B, S, H, D) views of (B, S, H, D) storage)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    F = torch.nn.functional
+
+    def ours(q, k, v):  # type: ignore[no-untyped-def]
+        return flash_attention(q, k, v, causal=causal, backend="triton")
+
+    def sdpa(backend):  # type: ignore[no-untyped-def]
+        def fn(q, k, v):  # type: ignore[no-untyped-def]
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return fn
+
+    flex_c = torch.compile(flex_attention, dynamic=False)
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, S, S, device="cuda") if causal else None
+
+    def flex(q, k, v):  # type: ignore[no-untyped-def]
+        return flex_c(q, k, v, block_mask=bm)
+
+    return {
+        "ours": (ours, "bshd"),
+        "sdpa-flash": (sdpa(SDPBackend.FLASH_ATTENTION), "bhsd"),
+        "sdpa-cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION), "bhsd"),
+        "flex": (flex, "bhsd"),
+    }
+
+
+def family_dense(D: int, seqs: tuple[int, ...] = SEQS, only: tuple[str, ...] | None = None) -> dict:
+    H = HIDDEN // D
+    rows, notes = [], []
+    # one compiled flex per shape: keep dynamo from giving up after its default recompile limit (8) and running
+    # flex unfused (which materializes the score matrix and runs out of memory at S = 16k)
+    torch._dynamo.config.cache_size_limit = 64
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+    for S in seqs:
+        B = TOKENS // S
+        for causal in (False, True):
+            flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+            g = torch.Generator(device="cuda").manual_seed(S)
+            base = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+            for name, (fn, layout) in _variants(causal, S, D).items():
+                if only is not None and name not in only:
+                    continue
+                ts = base if layout == "bshd" else [t.transpose(1, 2) for t in base]
+                q, k, v = (t.detach().requires_grad_() for t in ts[:3])
+                try:
+                    fwd_ms = bench(lambda: fn(q, k, v))
+                    all_ms = bench(_fwd_bwd(fn, q, k, v, ts[3]))
+                except Exception as e:  # a peer missing on this build must not stop the others
+                    notes.append(f"{name} S={S} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                bwd_ms = max(all_ms - fwd_ms, 1e-6)
+                rows.append(
+                    {
+                        "variant": name,
+                        "S": S,
+                        "B": B,
+                        "H": H,
+                        "D": D,
+                        "causal": causal,
+                        "fwd_ms": fwd_ms,
+                        "fwd_bwd_ms": all_ms,
+                        "fwd_tflops": flops / fwd_ms / 1e9,
+                        "bwd_tflops": 2.5 * flops / bwd_ms / 1e9,
+                        "fwd_bwd_tflops": 3.5 * flops / all_ms / 1e9,
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+        write(_partial(_name(D, only), rows, notes, D), _OUT_DIR)  # keep what finished if time runs out
+    return _partial(_name(D, only), rows, notes, D)
+
+
+def _name(D: int, only: tuple[str, ...] | None) -> str:
+    return f"attention-hd{D}" + ("-" + "-".join(only) if only else "")
+
+
+def _partial(name: str, rows: list, notes: list, D: int) -> dict:
+    return {
+        "name": name,
+        "rows": rows,
+        "notes": notes,
+        "config": {"tokens": TOKENS, "hidden": HIDDEN, "head_dim": D, "seqs": SEQS, "dtype": "bfloat16"},
+    }
+
+
+def family_varlen() -> dict:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    D, H, n_docs = 128, 16, 16
+    g = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randperm(TOKENS - 1, generator=g)[: n_docs - 1] + 1).values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([TOKENS])]).cuda().to(torch.int32)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    flops = sum(4 * H * L * L * D * 0.5 for L in lens)
+    doc = torch.repeat_interleave(torch.arange(n_docs, device="cuda"), torch.tensor(lens, device="cuda"))
+    q, k, v, do = (torch.randn(TOKENS, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    qb, kb, vb, dob = (t.transpose(0, 1)[None] for t in (q, k, v, do))  # (1, H, T, D) views
+    bm = create_block_mask(
+        lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, TOKENS, TOKENS, device="cuda"
+    )
+    flex_c = torch.compile(flex_attention, dynamic=False)
+    F = torch.nn.functional
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn_dense(a, b, c):  # type: ignore[no-untyped-def]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+    cases = {
+        "ours-varlen": (
+            lambda a, b, c: flash_attention(
+                a, b, c, causal=True, cu_seqlens=cu, max_seqlen=max(lens), backend="triton"
+            ),
+            (q, k, v, do),
+        ),
+        "flex-document": (lambda a, b, c: flex_c(a, b, c, block_mask=bm), (qb, kb, vb, dob)),
+        "ours-dense-causal": (
+            lambda a, b, c: flash_attention(a[None], b[None], c[None], causal=True, backend="triton")[0],
+            (q, k, v, do),
+        ),
+        "sdpa-cudnn-dense-causal": (cudnn_dense, (qb, kb, vb, dob)),
+    }
+    rows, notes = [], []
+    for name, (fn, ts) in cases.items():
+        a, b, c = (t.detach().requires_grad_() for t in ts[:3])
+        try:
+            fwd_ms = bench(lambda: fn(a, b, c))
+            all_ms = bench(_fwd_bwd(fn, a, b, c, ts[3]))
+        except Exception as e:
+            notes.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        rows.append(
+            {
+                "variant": name,
+                "fwd_ms": fwd_ms,
+                "fwd_bwd_ms": all_ms,
+                "effective_fwd_tflops": flops / fwd_ms / 1e9,
+                "effective_fwd_bwd_tflops": 3.5 * flops / all_ms / 1e9,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return {
+        "name": "attention-varlen16",
+        "rows": rows,
+        "notes": notes,
+        "config": {
+            "tokens": TOKENS,
+            "docs": n_docs,
+            "lengths": lens,
+            "H": H,
+            "D": D,
+            "dtype": "bfloat16",
+            "flops_note": "effective FLOPs: sum over documents of 2*H*L^2*D (causal, fwd)",
+        },
+    }
+
+
+def family_window() -> dict:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    D, H, S = 128, 16, TOKENS
+    q, k, v, do = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    flex_c = torch.compile(flex_attention, dynamic=False)
+    rows, notes = [], []
+    for w in (256, 1024, 4096):
+        bm = create_block_mask(lambda b, h, qi, ki, w=w: (ki <= qi) & (qi - ki < w), None, None, S, S, device="cuda")
+        cases = {
+            "ours": (
+                lambda a, b, c, w=w: flash_attention(a, b, c, causal=True, window=w, backend="triton"),
+                (q, k, v, do),
+            ),
+            "flex-window": (
+                lambda a, b, c, bm=bm: flex_c(a, b, c, block_mask=bm),
+                tuple(t.transpose(1, 2) for t in (q, k, v, do)),
+            ),
+        }
+        for name, (fn, ts) in cases.items():
+            a, b, c = (t.detach().requires_grad_() for t in ts[:3])
+            try:
+                fwd_ms = bench(lambda: fn(a, b, c))
+                all_ms = bench(_fwd_bwd(fn, a, b, c, ts[3]))
+            except Exception as e:
+                notes.append(f"{name} w={w}: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            rows.append({"variant": name, "window": w, "fwd_ms": fwd_ms, "fwd_bwd_ms": all_ms})
+            print(json.dumps(rows[-1]), flush=True)
+    return {
+        "name": "attention-window",
+        "rows": rows,
+        "notes": notes,
+        "config": {"S": S, "H": H, "D": D, "windows": [256, 1024, 4096], "dtype": "bfloat16"},
+    }
+
+
+def family_check() -> dict:
+    """bf16 at larger shapes: kernel error <= 2x PyTorch bf16 error (+ 4 ulps of max(|ref|, 1)) vs fp64."""
+    rows = []
+    cases = [  # (B, S, H, H_kv, D, causal, window, packed)
+        (2, 1024, 16, 4, 128, True, None, False),
+        (2, 1023, 8, 8, 64, False, None, False),
+        (1, 2048, 8, 1, 96, True, 300, False),
+        (1, 1500, 16, 2, 80, True, None, True),
+    ]
+    for B, S, H, H_kv, D, causal, window, packed in cases:
+        g = torch.Generator(device="cuda").manual_seed(S + D)
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        kw: dict = dict(causal=causal, window=window)
+        if packed:
+            q, k, v, do = mk(S, H, D), mk(S, H_kv, D), mk(S, H_kv, D), mk(S, H, D)
+            kw["cu_seqlens"] = torch.tensor([0, 1, 200, 777, 1200, S], device="cuda")
+        else:
+            q, k, v, do = mk(B, S, H, D), mk(B, S, H_kv, D), mk(B, S, H_kv, D), mk(B, S, H, D)
+        res = {}
+        for label, fn, cast in (
+            ("ours", lambda a, b, c: flash_attention(a, b, c, backend="triton", **kw), None),
+            ("ref64", lambda a, b, c: flash_attention_ref(a, b, c, **kw), torch.float64),
+            ("torch_bf16", lambda a, b, c: flash_attention_ref(a, b, c, upcast=False, **kw), None),
+        ):
+            leaves = [(t if cast is None else t.to(cast)).detach().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves)
+            res[label] = [out.detach(), *torch.autograd.grad(out, leaves, do if cast is None else do.to(cast))]
+        row = {"variant": "ours", "case": [B, S, H, H_kv, D, causal, window, packed], "ok": True}
+        for i, name in enumerate(("out", "dq", "dk", "dv")):
+            ref = res["ref64"][i]
+            err = (res["ours"][i].double() - ref).abs().max().item()
+            pt = (res["torch_bf16"][i].double() - ref).abs().max().item()
+            floor = 4 * torch.finfo(torch.bfloat16).eps * max(ref.abs().max().item(), 1.0)
+            nan = bool(torch.isnan(res["ours"][i]).any())
+            row[name] = {"err": err, "torch_err": pt, "ratio": err / max(pt, 1e-30)}
+            row["ok"] &= (err <= 2 * pt + floor) and not nan
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"name": "attention-check", "rows": rows, "notes": [], "config": {"cases": cases}}
+
+
+_SHAPE_KEYS = ("S", "causal", "window")
+_OUT_DIR: str | None = None
+
+
+def _ratios(ours: list[dict], peers: list[dict]) -> list[dict]:
+    """Per shape: peer time / our time (above 1: ours faster), forward and forward+backward."""
+    out = []
+    for o in ours:
+        for p in peers:
+            if any(o.get(key) != p.get(key) for key in _SHAPE_KEYS):
+                continue
+            for metric in ("fwd_ms", "fwd_bwd_ms"):
+                if o.get(metric) and p.get(metric):
+                    out.append(
+                        {
+                            "variant": o["variant"],
+                            "peer": p["variant"],
+                            "metric": metric,
+                            "shape": {key: o.get(key) for key in _SHAPE_KEYS if key in o},
+                            "ratio": p[metric] / o[metric],
+                        }
+                    )
+    return out
+
+
+def write(result: dict, out_dir: str | None) -> None:
+    rows = result["rows"]
+    ours = [r for r in rows if str(r.get("variant", "ours")).startswith("ours")]
+    peers = [r for r in rows if r not in ours]
+    rec = records.make_record(
+        result["name"], result["config"], ours, peers, benchmark="attention", ratio_metric=None, notes=result["notes"]
+    )
+    rec["ratios"] = _ratios(ours, peers)
+    path = records.write_record(rec, out_dir)
+    print(f"wrote {path}", flush=True)
+
+
+def render(directory: str | None = None) -> str:
+    """Markdown tables (docs/flash_attention.md) from the attention-*.json records."""
+    recs = {r["name"]: r for r in records.load_records(directory) if r.get("benchmark") == "attention"}
+    lines = []
+    for D in (128, 64):
+        main_rec, flex_rec = recs.get(f"attention-hd{D}"), recs.get(f"attention-hd{D}-flex")
+        if main_rec is None:
+            continue
+        peers = list(main_rec["peers"])
+        if flex_rec is not None:  # the flex re-run replaces flex rows of the same shape
+            redo = {(p["S"], p["causal"]) for p in flex_rec["peers"]}
+            peers = [p for p in peers if not (p["variant"] == "flex" and (p["S"], p["causal"]) in redo)]
+            peers += flex_rec["peers"]
+        lines += [
+            f"### head dim {D}, H = {2048 // D}, B*S = 16k, bf16, {main_rec['env']['device']}",
+            "",
+            "| S | causal | ours fwd / bwd TF/s | SDPA-flash | FlexAttention | SDPA-cuDNN |",
+            "|---|---|---|---|---|---|",
+        ]
+        for o in main_rec["results"]:
+            cells = [str(o["S"]), "yes" if o["causal"] else "no", f"{o['fwd_tflops']:.0f} / {o['bwd_tflops']:.0f}"]
+            for v in ("sdpa-flash", "flex", "sdpa-cudnn"):
+                p = next(
+                    (p for p in peers if p["variant"] == v and p["S"] == o["S"] and p["causal"] == o["causal"]), None
+                )
+                cells.append(
+                    "-"
+                    if p is None
+                    else f"{p['fwd_tflops']:.0f} / {p['bwd_tflops']:.0f} "
+                    f"(ours {o['fwd_tflops'] / p['fwd_tflops']:.2f}x / {o['bwd_tflops'] / p['bwd_tflops']:.2f}x)"
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    var = recs.get("attention-varlen16")
+    if var is not None:
+        rows = var["results"] + var["peers"]
+        base = next(r for r in rows if r["variant"] == "ours-varlen")
+        lens = var["config"]["lengths"]
+        ideal = sum(lens) ** 2 / sum(L * L for L in lens)
+        lines += [
+            f"### 16 documents packed into 16k tokens (hd128, H = 16); FLOP ratio dense/packed = {ideal:.1f}",
+            "",
+            "| variant | fwd ms | fwd+bwd ms | effective fwd TF/s | ours-varlen speedup fwd / fwd+bwd |",
+            "|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['variant']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['effective_fwd_tflops']:.0f} | "
+                f"{r['fwd_ms'] / base['fwd_ms']:.2f}x / {r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x |"
+            )
+        lines.append("")
+    win = recs.get("attention-window")
+    if win is not None:
+        rows = win["results"] + win["peers"]
+        lines += [
+            "### Sliding window, S = 16k, B = 1, hd128, H = 16",
+            "",
+            "| window | ours fwd / fwd+bwd ms | Flex fwd / fwd+bwd ms |",
+            "|---|---|---|",
+        ]
+        for w in win["config"]["windows"]:
+            o = next((r for r in rows if r["variant"] == "ours" and r["window"] == w), None)
+            f = next((r for r in rows if r["variant"] == "flex-window" and r["window"] == w), None)
+            cell = lambda r: "-" if r is None else f"{r['fwd_ms']:.3f} / {r['fwd_bwd_ms']:.3f}"  # noqa: E731
+            lines.append(f"| {w} | {cell(o)} | {cell(f)} |")
+        lines.append("")
+    chk = recs.get("attention-check")
+    if chk is not None:
+        lines += [
+            "### bf16 correctness on the GPU: max error vs fp64 (in brackets: its ratio to plain PyTorch bf16 error;"
+            " the rule allows 2x)",
+            "",
+            "| B, S, H, H_kv, D, causal, window, packed | out | dq | dk | dv | pass |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in chk["results"]:
+            lines.append(
+                "| "
+                + ", ".join(str(c) for c in r["case"])
+                + " | "
+                + " | ".join(f"{r[k]['err']:.2g} ({r[k]['ratio']:.2f}x)" for k in ("out", "dq", "dk", "dv"))
+                + f" | {r['ok']} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--family", required=True, choices=["hd64", "hd128", "varlen", "window", "check"])
+    p.add_argument("--out", default=None, help="records directory (default benchmarks/results)")
+    p.add_argument("--seqs", default=None, help="comma-separated sequence lengths (hd64/hd128; default all)")
+    p.add_argument("--variants", default=None, help="comma-separated variants (hd64/hd128; default all)")
+    p.add_argument("--render", action="store_true", help="print the markdown tables from the records and exit")
+    args = p.parse_args() if "--render" not in sys.argv else p.parse_args(["--family", "check", "--render"])
+    if args.render:
+        print(render(args.out))
+        return 0
+    global _OUT_DIR
+    _OUT_DIR = args.out
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    seqs = tuple(int(x) for x in args.seqs.split(",")) if args.seqs else SEQS
+    only = tuple(args.variants.split(",")) if args.variants else None
+    fn = {
+        "hd64": lambda: family_dense(64, seqs, only),
+        "hd128": lambda: family_dense(128, seqs, only),
+        "varlen": family_varlen,
+        "window": family_window,
+        "check": family_check,
+    }[args.family]
+    try:
+        result = fn()
+    except Exception:
+        traceback.print_exc()
+        return 1
+    write(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

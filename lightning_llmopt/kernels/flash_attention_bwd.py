@@ -1,0 +1,341 @@
+"""Triton backward kernels of flash attention (FlashAttention-2, arXiv 2307.08691, Algorithm 2) and their launcher.
+
+The attention matrix is recomputed from ``q``, ``k`` and the saved log-sum-exp, never stored. Three launches:
+
+1. ``delta = rowsum(dO * O)`` per query (fp32), the softmax-Jacobian term ``D_i`` of the paper;
+2. dK/dV pass: one program per (key tile, key/value head). It loops over the query heads of its GQA group and over
+   the query tiles that can see its keys (causal: from the diagonal on; window: up to ``window`` past the tile),
+   with ``p^T = exp2(k q^T * scale*log2 e - lse*log2 e)``, ``dV += p^T dO``, ``dS^T = p^T (v dO^T - delta)``,
+   ``dK += dS^T q``. The sum over the query group happens in registers: no atomics, no repeated K/V;
+3. dQ pass: one program per (query tile, query head), over the same key tiles as the forward, ``dQ += dS k``.
+
+Both passes split their loops into masked tiles (window edge, causal diagonal) and tiles every pair of which is
+visible (no mask arithmetic), and skip invisible tiles. A query row without visible keys has ``lse = -inf``; it is
+read as ``+inf`` so that its probabilities are 0 (no NaN). Padded rows/keys load zeros with ``lse = +inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_llmopt.kernels.flash_attention_common import (
+    LOG2E,
+    Geometry,
+    bwd_configs,
+    dq_configs,
+    interpreter_block,
+    use_interpreter_config,
+)
+from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
+
+ensure_interpreted_stdlib()  # before the kernels below are decorated
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, CU_SEQLENS,  # noqa: E741
+                  stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
+                  stride_lb, stride_lh, seq_q, num_heads, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    if IS_VARLEN:
+        tok0 = tl.load(CU_SEQLENS + b)
+        seq_q = tl.load(CU_SEQLENS + b + 1) - tok0
+    else:
+        tok0 = 0
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_D)
+    rows = (tok0 + offs_m[:, None]).to(tl.int64)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :], mask=mask,
+                other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok0 + offs_m, delta,
+             mask=offs_m < seq_q)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
+                q_off, seq_q, lo, hi, qk_scale, WINDOW, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seq_q
+        ld_mask = row_ok[None, :] & (offs_d[:, None] < HEAD_D)
+        q_t = tl.load(q_base + offs_m[None, :] * stride_qs + offs_d[:, None], mask=ld_mask, other=0.0)  # (D, M)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        qk_t = _dot(k, q_t, IEEE) * qk_scale  # (N, M), log2 units
+        p_t = tl.math.exp2(qk_t - lse[None, :])
+        if MASKED:
+            q_pos = offs_m[None, :] + q_off
+            ok = offs_n[:, None] >= 0
+            if IS_CAUSAL:
+                ok = ok & (offs_n[:, None] <= q_pos)
+            if HAS_WINDOW:
+                ok = ok & (q_pos - offs_n[:, None] < WINDOW)
+            p_t = tl.where(ok, p_t, 0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :],
+                     mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)  # (M, D)
+        dv = _dot_acc(p_t.to(do.dtype), do, dv, IEEE)
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        dp_t = _dot(v, tl.trans(do), IEEE)  # (N, M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = _dot_acc(ds_t.to(q_t.dtype), tl.trans(q_t), dk, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_db, stride_ds, stride_dh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    seq_q, seq_k, num_kv_heads, group, qk_scale, sm_scale, WINDOW,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_kv_heads
+    h_kv = pid_bh % num_kv_heads
+    if IS_VARLEN:
+        tok0 = tl.load(CU_SEQLENS + b)
+        seq_q = tl.load(CU_SEQLENS + b + 1) - tok0
+        seq_k = seq_q
+    else:
+        tok0 = 0
+    start_n = pid_n * BLOCK_N
+    if start_n >= seq_k:
+        return
+    q_off = seq_k - seq_q
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_D)
+    tok0_64 = tok0.to(tl.int64)
+    k = tl.load(K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + (tok0_64 + offs_n[:, None]) * stride_ks
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + (tok0_64 + offs_n[:, None]) * stride_vs
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+
+    # Query tiles that see some key of this tile, and the band of them that sees all of its keys.
+    lo = 0
+    hi = seq_q
+    full_lo = 0
+    full_hi = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M  # past the end: padded rows have p = 0
+    if IS_CAUSAL:
+        lo = tl.maximum(0, start_n - q_off)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = tl.maximum(0, start_n + BLOCK_N - 1 - q_off)
+        full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:
+        hi = tl.minimum(seq_q, start_n + BLOCK_N - 1 + WINDOW - q_off)
+        full_hi = tl.maximum(0, start_n + WINDOW - q_off)
+        full_hi = (full_hi // BLOCK_M) * BLOCK_M
+    hi = tl.maximum(hi, 0)
+    full_lo = tl.maximum(full_lo, lo)
+    full_hi = tl.minimum(full_hi, tl.cdiv(hi, BLOCK_M) * BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(0, group):
+        h = h_kv * group + g
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + tok0_64 * stride_qs
+        do_base = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + tok0_64 * stride_ds
+        lse_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok0
+        delta_base = DELTA + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok0
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n,
+                             offs_d, q_off, seq_q, lo, tl.minimum(full_lo, hi), qk_scale, WINDOW, HEAD_D, BLOCK_M,
+                             True, IS_CAUSAL, HAS_WINDOW, IEEE)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n,
+                             offs_d, q_off, seq_q, full_lo, full_hi, qk_scale, WINDOW, HEAD_D, BLOCK_M,
+                             False, IS_CAUSAL, HAS_WINDOW, IEEE)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n,
+                             offs_d, q_off, seq_q, tl.maximum(full_hi, full_lo), hi, qk_scale, WINDOW, HEAD_D,
+                             BLOCK_M, True, IS_CAUSAL, HAS_WINDOW, IEEE)
+    dk = dk * sm_scale
+    rows = (tok0_64 + offs_n[:, None])
+    tl.store(DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh + rows * stride_dks + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh + rows * stride_dvs + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k, lo, hi,
+              qk_scale, WINDOW, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask_t = (offs_n[None, :] < seq_k) & (offs_d[:, None] < HEAD_D)
+        k_t = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=kv_mask_t, other=0.0)  # (D, N)
+        v_t = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=kv_mask_t, other=0.0)
+        qk = _dot(q, k_t, IEEE) * qk_scale
+        p = tl.math.exp2(qk - lse[:, None])
+        if MASKED:
+            q_pos = offs_m[:, None] + q_off
+            ok = offs_n[None, :] < seq_k
+            if IS_CAUSAL:
+                ok = ok & (offs_n[None, :] <= q_pos)
+            if HAS_WINDOW:
+                ok = ok & (q_pos - offs_n[None, :] < WINDOW)
+            p = tl.where(ok, p, 0.0)
+        dp = _dot(do, v_t, IEEE)
+        ds = p * (dp - delta[:, None])
+        dq = _dot_acc(ds.to(k_t.dtype), tl.trans(k_t), dq, IEEE)
+    return dq
+
+
+@triton.jit
+def _flash_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_db, stride_ds, stride_dh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh,
+    seq_q, seq_k, num_heads, group, qk_scale, sm_scale, WINDOW,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    h_kv = h // group
+    if IS_VARLEN:
+        tok0 = tl.load(CU_SEQLENS + b)
+        seq_q = tl.load(CU_SEQLENS + b + 1) - tok0
+        seq_k = seq_q
+    else:
+        tok0 = 0
+    start_m = pid_m * BLOCK_M
+    if start_m >= seq_q:
+        return
+    q_off = seq_k - seq_q
+    tok0_64 = tok0.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seq_q
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_D)
+    rows = tok0_64 + offs_m[:, None]
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows * stride_qs + offs_d[None, :],
+                mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + rows * stride_ds + offs_d[None, :],
+                 mask=mask, other=0.0)
+    lse_off = b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok0 + offs_m
+    lse = tl.load(LSE + lse_off, mask=row_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + tok0_64 * stride_ks
+    v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + tok0_64 * stride_vs
+
+    lo = 0
+    hi = seq_k
+    full_lo = 0
+    full_hi = (seq_k // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.minimum(seq_k, start_m + BLOCK_M + q_off)
+        full_hi = tl.minimum(full_hi, ((start_m + q_off + 1) // BLOCK_N) * BLOCK_N)
+    if HAS_WINDOW:
+        lo = tl.maximum(0, start_m + q_off - WINDOW + 1)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        full_lo = tl.maximum(0, start_m + BLOCK_M - 1 + q_off - WINDOW + 1)
+        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, 0)
+    full_lo = tl.maximum(full_lo, lo)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k, lo,
+                   tl.minimum(full_lo, hi), qk_scale, WINDOW, HEAD_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, IEEE)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k,
+                   full_lo, full_hi, qk_scale, WINDOW, HEAD_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, IEEE)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k,
+                   tl.maximum(full_hi, full_lo), hi, qk_scale, WINDOW, HEAD_D, BLOCK_N, True, IS_CAUSAL,
+                   HAS_WINDOW, IEEE)
+    dq = dq * sm_scale
+    tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows * stride_dqs + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+_tuned: dict[str, object] = {}
+
+
+def _tuned_kernel(name: str):  # type: ignore[no-untyped-def]
+    if name not in _tuned:
+        kernel, table = (_flash_bwd_dkdv_kernel, bwd_configs()) if name == "dkdv" else (_flash_bwd_dq_kernel,
+                                                                                        dq_configs())
+        _tuned[name] = triton.autotune(
+            configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in table],
+            key=["seq_q", "seq_k", "HEAD_D", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"],
+        )(kernel)
+    return _tuned[name]
+
+
+def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, geo: Geometry, causal: bool,
+              scale: float, window: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` shaped like ``(q, k, v)``, in their dtypes (fp32 accumulation inside)."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    cu = geo.cu_seqlens if geo.cu_seqlens is not None else q
+    varlen = geo.cu_seqlens is not None
+    bh = geo.batch * geo.num_heads
+    _delta_kernel[(triton.cdiv(geo.max_q, 64), bh)](
+        out, do, delta, cu, *geo.strides(out), *geo.strides(do), *geo.lse_strides(delta), geo.seq_q, geo.num_heads,
+        HEAD_D=geo.head_dim, BLOCK_D=geo.block_d, BLOCK_M=64, IS_VARLEN=varlen)
+    consts = dict(HEAD_D=geo.head_dim, BLOCK_D=geo.block_d, IS_CAUSAL=causal, HAS_WINDOW=window is not None,
+                  IS_VARLEN=varlen, IEEE=q.dtype == torch.float32)
+    common = (geo.seq_q, geo.seq_k)
+    tail = (scale * LOG2E, scale, window if window is not None else 0)
+    kv_heads = geo.num_heads // geo.group
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu, *geo.strides(q), *geo.strides(k), *geo.strides(v),
+                 *geo.strides(do), *geo.strides(dk), *geo.strides(dv), *geo.lse_strides(lse), *common, kv_heads,
+                 geo.group, *tail)
+    dq_args = (q, k, v, do, lse, delta, dq, cu, *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(do),
+               *geo.strides(dq), *geo.lse_strides(lse), *common, geo.num_heads, geo.group, *tail)
+    if use_interpreter_config(q):
+        bm, bn = interpreter_block(geo.max_q), interpreter_block(geo.max_k)
+        _flash_bwd_dkdv_kernel[(triton.cdiv(geo.max_k, bn), geo.batch * kv_heads)](
+            *dkdv_args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, **consts)
+        _flash_bwd_dq_kernel[(triton.cdiv(geo.max_q, bm), bh)](*dq_args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+                                                                 **consts)
+    else:
+        _tuned_kernel("dkdv")[lambda m: (triton.cdiv(geo.max_k, m["BLOCK_N"]), geo.batch * kv_heads)](
+            *dkdv_args, **consts)
+        _tuned_kernel("dq")[lambda m: (triton.cdiv(geo.max_q, m["BLOCK_M"]), bh)](*dq_args, **consts)
+    return dq, dk, dv
+
+
+__all__ = ["flash_bwd"]

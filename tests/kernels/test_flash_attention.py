@@ -1,0 +1,247 @@
+"""Flash attention: the Triton kernels (interpreter on CPU) against an fp64 reference, with derived tolerances.
+
+Tolerance rule (flash-attn's ``tests/test_flash_attn.py``): for the output and each of dq/dk/dv,
+
+    max|kernel - ref64| <= 2 * max|torch_same_dtype - ref64| + floor,   floor = 4 * eps(dtype) * max(max|ref64|, 1)
+
+``ref64`` is the reference in float64; ``torch_same_dtype`` is plain PyTorch computing in the inputs' dtype
+(``flash_attention_ref(..., upcast=False)``). The floor (4 ulps of the largest value, or of 1: inputs are
+standard normal) exists because in fp32 PyTorch's own maximum error is itself a handful of rounding errors, or
+exactly 0 where the true value is 0 (dq of a single key); twice a lucky small maximum is not a bound that a
+different, equally correct summation order can be held to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_llmopt.kernels import flash_attention, flash_attention_ref
+from lightning_llmopt.kernels.flash_attention import resolve_backend
+from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
+
+pytestmark = [
+    pytest.mark.skipif(not triton_available() or not (torch.cuda.is_available() or triton_interpreter_enabled()),
+                       reason="needs triton (and TRITON_INTERPRET=1 without CUDA)"),
+    # the interpreter's numpy log2(0) for rows without keys (lse = -inf by design)
+    pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning"),
+]
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(shape_q, shape_kv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(shape_q, generator=g)
+    k = torch.randn(shape_kv, generator=g)
+    v = torch.randn(shape_kv, generator=g)
+    do = torch.randn(shape_q, generator=g)
+    return [t.to(DEVICE, dtype) for t in (q, k, v, do)]
+
+
+def _grads(fn, q, k, v, do, cast=None):
+    leaves = [(t if cast is None else t.to(cast)).detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, do if cast is None else do.to(cast))
+    return [out.detach(), *grads]
+
+
+def _check(q, k, v, do, **kw):
+    """Kernel vs fp64 reference vs plain PyTorch in the same dtype, for out, dq, dk, dv."""
+    kernel = _grads(lambda a, b, c: flash_attention(a, b, c, backend="triton", **kw), q, k, v, do)
+    ref = _grads(lambda a, b, c: flash_attention_ref(a, b, c, **kw), q, k, v, do, cast=torch.float64)
+    same = _grads(lambda a, b, c: flash_attention_ref(a, b, c, upcast=False, **kw), q, k, v, do)
+    eps = torch.finfo(q.dtype).eps
+    for name, ours, r, pt in zip(("out", "dq", "dk", "dv"), kernel, ref, same, strict=True):
+        assert ours.shape == r.shape and ours.dtype == q.dtype, name
+        assert not torch.isnan(ours).any(), f"NaN in {name}"
+        err = (ours.double() - r).abs().max().item()
+        pt_err = (pt.double() - r).abs().max().item()
+        floor = 4 * eps * max(r.abs().max().item(), 1.0)
+        assert err <= 2 * pt_err + floor, f"{name}: kernel error {err:.3g} > 2 x PyTorch {pt_err:.3g} + {floor:.3g}"
+
+
+@pytest.mark.parametrize(
+    "B, S_q, S_k, H, H_kv, D, causal, window, dtype",
+    [
+        (2, 1, 1, 2, 2, 16, True, None, torch.float32),  # one token
+        (2, 17, 17, 4, 1, 32, True, None, torch.float32),  # GQA 4:1
+        (1, 113, 113, 8, 1, 24, False, None, torch.float16),  # GQA 8:1, head dim padded 24 -> 32
+        (1, 113, 113, 2, 2, 64, True, 7, torch.float16),  # sliding window
+        (1, 17, 17, 2, 1, 96, True, None, torch.float16),  # head dim 96 padded to 128
+        (1, 113, 113, 4, 1, 40, True, 33, torch.float32),  # window spanning several tiles, GQA, padded dim
+        (2, 17, 40, 2, 1, 16, False, None, torch.float32),  # more keys than queries
+        (1, 40, 17, 2, 2, 16, True, None, torch.float16),  # causal, bottom-right: first 23 queries see nothing
+    ],
+)
+def test_dense_matches_float64_reference(B, S_q, S_k, H, H_kv, D, causal, window, dtype):
+    q, k, v, do = _inputs((B, S_q, H, D), (B, S_k, H_kv, D), dtype, seed=S_q * 7 + D)
+    _check(q, k, v, do, causal=causal, window=window)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [True, False])
+def test_length_255(causal):
+    q, k, v, do = _inputs((1, 255, 2, 32), (1, 255, 1, 32), torch.float16, seed=255)
+    _check(q, k, v, do, causal=causal)
+
+
+@pytest.mark.parametrize("window, dtype", [(None, torch.float16), (5, torch.float32)])
+def test_ragged_pack_matches_reference(window, dtype):
+    cu = torch.tensor([0, 1, 18, 31, 144], device=DEVICE)  # documents of 1, 17, 13 and 113 tokens
+    q, k, v, do = _inputs((144, 4, 32), (144, 2, 32), dtype, seed=3)
+    _check(q, k, v, do, causal=True, window=window, cu_seqlens=cu)
+
+
+def test_pack_equals_documents_run_separately():
+    """No attention crosses documents: each document of a pack gives what it gives alone."""
+    cu = [0, 9, 26, 40]
+    q, k, v, _ = _inputs((40, 2, 16), (40, 1, 16), torch.float32, seed=5)
+    packed = flash_attention(q, k, v, causal=True, cu_seqlens=torch.tensor(cu), backend="triton")
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
+        alone = flash_attention(q[None, s:e], k[None, s:e], v[None, s:e], causal=True, backend="triton")[0]
+        torch.testing.assert_close(packed[s:e], alone, atol=1e-6, rtol=1e-5)  # same fp32 math, other tiling
+
+
+def test_lse_and_fully_masked_rows():
+    q, k, v, do = _inputs((1, 40, 2, 16), (1, 17, 2, 16), torch.float32, seed=11)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, causal=True, return_lse=True, backend="triton")
+    ref_out, ref_lse = flash_attention_ref(q.double(), k.double(), v.double(), causal=True, return_lse=True)
+    assert lse.shape == (1, 2, 40) and lse.dtype == torch.float32
+    assert torch.isneginf(lse[:, :, :23]).all() and (out[:, :23] == 0).all()  # queries 0..22 see no key
+    torch.testing.assert_close(lse[:, :, 23:].double(), ref_lse[:, :, 23:], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out, leaves, do)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][:, :23] == 0).all()
+
+
+def test_lse_merges_two_halves_like_ring_attention():
+    """Attention over all keys equals the lse-weighted merge of attention over two halves of the keys."""
+    q, k, v, _ = _inputs((1, 17, 2, 16), (1, 34, 1, 16), torch.float32, seed=2)
+    full = flash_attention(q, k, v, backend="triton")
+    o1, l1 = flash_attention(q, k[:, :17], v[:, :17], return_lse=True, backend="triton")
+    o2, l2 = flash_attention(q, k[:, 17:], v[:, 17:], return_lse=True, backend="triton")
+    lse = torch.logaddexp(l1, l2)  # (B, H, S)
+    w1 = torch.exp(l1 - lse).transpose(1, 2)[..., None]
+    w2 = torch.exp(l2 - lse).transpose(1, 2)[..., None]
+    torch.testing.assert_close(w1 * o1 + w2 * o2, full, atol=1e-5, rtol=1e-5)
+
+
+def test_model_layout_views_need_no_copy():
+    """(B, H, S, D) tensors passed as transposed views give the same result as contiguous (B, S, H, D) ones."""
+    q, k, v, _ = _inputs((2, 3, 17, 16), (2, 1, 17, 16), torch.float32, seed=4)  # (B, H, S, D)
+    views = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, backend="triton")
+    contiguous = flash_attention(*(t.transpose(1, 2).contiguous() for t in (q, k, v)), causal=True, backend="triton")
+    torch.testing.assert_close(views, contiguous, atol=0, rtol=0)
+
+
+def test_backend_switch(monkeypatch):
+    q, k, v, _ = _inputs((1, 17, 2, 16), (1, 17, 2, 16), torch.float32, seed=6)
+    monkeypatch.setenv("LLMOPT_FLASH_BACKEND", "reference")
+    assert resolve_backend(None, q.device) == "reference"
+    assert torch.equal(flash_attention(q, k, v, causal=True), flash_attention_ref(q, k, v, causal=True))
+    monkeypatch.setenv("LLMOPT_FLASH_BACKEND", "triton")
+    assert resolve_backend(None, q.device) == "triton"
+    monkeypatch.setenv("LLMOPT_FLASH_BACKEND", "cudnn")
+    with pytest.raises(ValueError, match="'cudnn'"):
+        flash_attention(q, k, v)
+    monkeypatch.delenv("LLMOPT_FLASH_BACKEND")
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+
+
+@pytest.mark.parametrize(
+    "shapes, kw, match",
+    [
+        (((1, 4, 3, 16), (1, 4, 2, 16)), {}, r"query heads \(3\) must be a multiple of key/value heads \(2\)"),
+        (((1, 4, 2, 16), (1, 4, 2, 16)), dict(window=4), r"window \(4\) .* needs causal=True"),
+        (((4, 2, 16), (4, 2, 16)), {}, r"q must be \(B, S, H, D\)"),
+    ],
+)
+def test_bad_input_names_the_values(shapes, kw, match):
+    q = torch.randn(shapes[0])
+    k = v = torch.randn(shapes[1])
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, v, **kw)
+
+
+def test_custom_op_fake_and_compile():
+    q, k, v, do = _inputs((1, 17, 4, 16), (1, 17, 2, 16), torch.float32, seed=8)
+    args = (q, k, v, None, 0, True, 0.25, 0)
+    torch.library.opcheck(torch.ops.lightning_llmopt.flash_attn_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    out, lse = torch.ops.lightning_llmopt.flash_attn_fwd(*args)
+    torch.library.opcheck(torch.ops.lightning_llmopt.flash_attn_bwd.default,
+                          (do, q, k, v, out, lse, None, 0, True, 0.25, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def fn(a, b, c):
+        return flash_attention(a, b, c, causal=True, softmax_scale=0.25, backend="triton") * 2
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    eager = _grads(fn, q, k, v, do)
+    traced = _grads(compiled, q, k, v, do)
+    for a, b in zip(traced, eager, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_softmax_scale_default_is_inverse_sqrt_head_dim():
+    q, k, v, _ = _inputs((1, 17, 2, 24), (1, 17, 2, 24), torch.float32, seed=9)
+    torch.testing.assert_close(flash_attention(q, k, v, backend="triton"),
+                               flash_attention(q, k, v, softmax_scale=1 / math.sqrt(24), backend="triton"))
+
+
+# ---------------------------------------------------------------- the "triton" backend of the model
+
+
+def _tiny(**overrides):
+    import lightning_llmopt.models.attention_triton  # noqa: F401 - registers "triton" (until models/attention.py does)
+    from lightning_llmopt.models import LlamaConfig
+
+    return LlamaConfig.from_preset("tiny", **overrides)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(sliding_window=5)])
+def test_llama_triton_backend_matches_eager(overrides):
+    from lightning_llmopt.models import Llama
+
+    torch.manual_seed(0)
+    model = Llama(_tiny(attn_backend="triton", **overrides))
+    eager = Llama(_tiny(attn_backend="eager", **overrides))
+    eager.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 320, (2, 23))
+    out = model(tokens)
+    torch.testing.assert_close(out, eager(tokens), atol=1e-5, rtol=1e-4)  # fp32 model: rounding-level agreement
+    # gradients flow through the kernels' backward
+    out.float().square().mean().backward()
+    eager(tokens).float().square().mean().backward()
+    for (name, p), p_ref in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_llama_triton_backend_packed_rows_and_cache_fallback():
+    from lightning_llmopt.models import Llama, StaticKVCache, doc_ids_from_cu_seqlens
+    from lightning_llmopt.models.attention import AttentionMask
+    from lightning_llmopt.models.attention_triton import _plan
+
+    torch.manual_seed(0)
+    model = Llama(_tiny(attn_backend="triton", sliding_window=6))
+    eager = Llama(_tiny(attn_backend="eager", sliding_window=6))
+    eager.load_state_dict(model.state_dict())
+    doc_ids = torch.stack([doc_ids_from_cu_seqlens(torch.tensor([0, 7, 8, 19]), 23),
+                           doc_ids_from_cu_seqlens(torch.tensor([0, 23]), 23)])
+    tokens = torch.randint(0, 320, (2, 23))
+    torch.testing.assert_close(model(tokens, doc_ids=doc_ids), eager(tokens, doc_ids=doc_ids), atol=1e-5, rtol=1e-4)
+    from lightning_llmopt.models.attention import positions_from_doc_ids
+
+    pos = positions_from_doc_ids(doc_ids)
+    plan = _plan(AttentionMask(pos, pos, doc_ids, doc_ids, window=6), 23, 23, pos.device)
+    assert plan.kind == "varlen" and plan.cu_seqlens.tolist() == [0, 7, 8, 19, 23, 46]
+    # decoding with a KV cache (empty slots) is not expressible: the backend falls back and still agrees
+    cache, cache_ref = (StaticKVCache.for_model(m, batch_size=2, max_seq_len=32) for m in (model, eager))
+    torch.testing.assert_close(model(tokens[:, :9], kv_cache=cache), eager(tokens[:, :9], kv_cache=cache_ref),
+                               atol=1e-5, rtol=1e-4)
