@@ -306,9 +306,9 @@ class ZeroStrategy(DDPStrategy):
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
         extra: dict[str, Any] = {"stage": self.stage, "format": "llmopt-zero-strategy/1"}
-        config = getattr(self.lightning_module, "config", None)
-        if callable(getattr(config, "to_dict", None)):  # lets `llmopt consolidate` rebuild the HF config
-            extra["config"] = config.to_dict()
+        to_dict = getattr(getattr(self.lightning_module, "config", None), "to_dict", None)
+        if callable(to_dict):  # lets `llmopt consolidate` rebuild the HF config
+            extra["config"] = to_dict()
         save_checkpoint(state, root, step, keep_last=self.checkpoint_keep_last, extra=extra)
 
     @override

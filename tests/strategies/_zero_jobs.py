@@ -129,12 +129,45 @@ class Recorder(L.Callback):
 
 
 class SaveAt(L.Callback):
-    def __init__(self, step: int, root: str) -> None:
-        self.step, self.root = step, root
+    """Save to ``root`` after global step ``step``; with ``capture``, also keep the full weights and optimizer state
+    saved (collective: every rank runs it)."""
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def __init__(self, step: int, root: str, capture: bool = False) -> None:
+        self.step, self.root, self.capture = step, root, capture
+        self.saved: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.root)
+            if self.capture:
+                self.saved = {"params": full_params(pl_module), "optimizer": full_optimizer(trainer)}
+
+
+class DieDuringSave(L.Callback):
+    """At global step ``step``, rank ``rank`` exits (``os._exit``) inside the strategy's save, in ``dcp.save``."""
+
+    def __init__(self, step: int, root: str, rank: int = 1) -> None:
+        self.step, self.root, self.rank = step, root, rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        import os
+
+        import torch.distributed.checkpoint as dcp
+
+        real_save = dcp.save
+
+        def dying_save(*a: Any, **k: Any) -> Any:
+            if trainer.global_rank == self.rank:
+                os._exit(17)  # killed while the checkpoint is being written
+            return real_save(*a, **k)
+
+        dcp.save = dying_save  # type: ignore[assignment]
+        try:
+            trainer.save_checkpoint(self.root)
+        finally:
+            dcp.save = real_save  # type: ignore[assignment]
 
 
 def local_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -168,21 +201,35 @@ def full_optimizer(trainer: L.Trainer) -> dict[str, dict[str, torch.Tensor]]:
 def fit(stage: int = 2, steps: int = 10, world: int = 1, init_path: str | None = None, ckpt_path: str | None = None,
         callbacks: list[L.Callback] | None = None, precision: str = "32-true", accumulate: int = 1,
         clip: float | None = None, module_kwargs: dict[str, Any] | None = None, zero: bool = True,
-        strategy_kwargs: dict[str, Any] | None = None, root: str | None = None) -> tuple[Recorder, L.Trainer]:
+        strategy_kwargs: dict[str, Any] | None = None, root: str | None = None,
+        num_nodes: int = 1) -> tuple[Recorder, L.Trainer]:
+    """Train ``Module`` for ``steps`` steps on the same global batches whatever the world size.
+
+    ``world > 1`` runs on the pool's existing process group (``PoolEnvironment``). ``num_nodes > 1`` runs one process
+    per node through Lightning's own cluster environment detection (torchrun / ``LightningEnvironment`` variables);
+    the world size is then ``num_nodes``. ``zero=False`` is the reference: Lightning's default strategy with
+    Lightning's own precision plugin.
+    """
     L.seed_everything(0, verbose=False)
     random.seed(0)
     recorder = Recorder()
     plugins = [ZeroPrecision(precision, device="cpu")] if zero and precision != "32-true" else None
-    strategy: Any = ZeroStrategy(stage=stage, cluster_environment=PoolEnvironment() if world > 1 else None,
+    environment = PoolEnvironment() if world > 1 and num_nodes == 1 else None
+    strategy: Any = ZeroStrategy(stage=stage, cluster_environment=environment,
                                  **(strategy_kwargs or {})) if zero else "auto"
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1 if num_nodes > 1 else world, num_nodes=num_nodes,
+                        strategy=strategy, max_steps=steps, logger=False, precision=None if zero else precision,
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                         callbacks=[recorder, *(callbacks or [])], plugins=plugins, accumulate_grad_batches=accumulate,
                         gradient_clip_val=clip, default_root_dir=root, num_sanity_val_steps=0,
                         use_distributed_sampler=False)
     rows = GLOBAL_BATCH * accumulate * steps
     data = Tokens(rows)  # one seeded permutation; rank r takes every world-th index: the same global batches
-    rank = dist.get_rank() if world > 1 else 0
+    if num_nodes > 1:  # the process group does not exist yet: the ranks Lightning's cluster environment will use
+        env = trainer.strategy.cluster_environment  # type: ignore[attr-defined]
+        world, rank = num_nodes, env.node_rank() + env.local_rank()
+    else:
+        rank = dist.get_rank() if world > 1 else 0
     sampler = ResumableShardedSampler(data, num_replicas=world, rank=rank, seed=0)
     loader = ResumableDataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler, drop_last=True)
     trainer.fit(Module(init_path=init_path, **(module_kwargs or {})), train_dataloaders=loader, ckpt_path=ckpt_path)
@@ -218,3 +265,25 @@ def resume_job(init_path: str, root: str, split: int, total: int) -> dict[str, A
     stage3 = summary(*fit(stage=3, steps=total, world=world, init_path=init_path, ckpt_path=root))
     saved = sorted(p.name for p in Path(root).iterdir())
     return {"straight": straight, "resumed": resumed, "stage3": stage3, "saved": saved}
+
+
+def reshard_two_ranks_job(init_path: str, single_root: str, root: str, split: int, total: int) -> dict[str, Any]:
+    """1 process -> 2 ranks (zero2); a zero3 run on 2 ranks saving at ``split``; zero3 -> zero1 on 2 ranks."""
+    world = dist.get_world_size()
+    from_single = summary(*fit(stage=2, steps=total, world=world, init_path=init_path, ckpt_path=single_root))
+    save = SaveAt(split, root, capture=True)
+    zero3 = summary(*fit(stage=3, steps=total, world=world, init_path=init_path, callbacks=[save]))
+    zero3["saved"] = save.saved
+    zero1 = summary(*fit(stage=1, steps=total, world=world, init_path=init_path, ckpt_path=root))
+    return {"from_single": from_single, "zero3": zero3, "zero1": zero1}
+
+
+def resume_job_any(init_path: str, ckpt_path: str, stage: int, total: int) -> dict[str, Any]:
+    return summary(*fit(stage=stage, steps=total, world=dist.get_world_size(), init_path=init_path,
+                        ckpt_path=ckpt_path))
+
+
+def kill_during_save_job(init_path: str, root: str, good: int, bad: int, total: int) -> None:
+    """Saves at step ``good`` through the strategy; rank 1 dies inside the strategy's save at step ``bad``."""
+    fit(stage=2, steps=total, world=dist.get_world_size(), init_path=init_path,
+        callbacks=[SaveAt(good, root), DieDuringSave(bad, root)])
