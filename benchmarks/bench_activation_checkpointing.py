@@ -18,7 +18,6 @@ One record: ``benchmarks/results/ac-<preset>-<device>.json``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -27,22 +26,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import records  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("none", "full", "every_n", "sqrt", "selective")
 OOM_EXIT_CODE = 3
 
 
-def _load_records() -> ModuleType:
-    path = Path(__file__).resolve().parent / "records.py"
-    spec = importlib.util.spec_from_file_location("_llmopt_bench_records", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------- worker: one policy in this process
@@ -198,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         row = _run_one(args, policy)
         rows.append(row or {"variant": policy, "failed": True})
     _print_table(rows)
-    records = _load_records()
     measured = [r for r in rows if "median_step_ms" in r]
     peers = [r for r in measured if r["variant"] == "none"]
     results = [r for r in measured if r["variant"] != "none"]

@@ -16,7 +16,6 @@ Usage: ``python benchmarks/bench_attention.py --family hd128`` (records in bench
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import traceback
@@ -24,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-_spec = importlib.util.spec_from_file_location("records", Path(__file__).resolve().parent / "records.py")
-records = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(records)  # type: ignore[union-attr]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import records  # noqa: E402
 
 from lightning_llmopt.kernels import flash_attention, flash_attention_ref  # noqa: E402
 

@@ -13,32 +13,20 @@ Inputs are random (never zeros: some hardware and libraries take shortcuts on ze
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
-from types import ModuleType
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import records  # noqa: E402
 
 # Published H100/H200 SXM figures (benchmarks/../shared anchors); context only, never a measurement.
 DATASHEET = {
     "h100": {"datasheet_bf16_dense_tflops": 989.0, "datasheet_hbm_tb_per_s": 3.35},
     "h200": {"datasheet_bf16_dense_tflops": 989.0, "datasheet_hbm_tb_per_s": 4.8},
 }
-
-
-def _load_records() -> ModuleType:
-    path = Path(__file__).resolve().parent / "records.py"
-    spec = importlib.util.spec_from_file_location("_llmopt_bench_records", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-records = _load_records()
 
 
 def datasheet_for(device_name: str) -> dict[str, float]:

@@ -15,24 +15,15 @@ trains on the same distribution as the baseline. Writes ``benchmarks/results/cur
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-
-def _load_records() -> ModuleType:
-    path = Path(__file__).resolve().parent / "records.py"
-    spec = importlib.util.spec_from_file_location("_llmopt_bench_records", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import records  # noqa: E402
 
 
 def _val_recorder(tokens_per_step: int) -> Any:
@@ -122,8 +113,6 @@ def main() -> None:
         args.results_dir = args.results_dir or Path(tempfile.mkdtemp(prefix="llmopt-bench-"))
     args.curriculum_steps = args.curriculum_steps or max(1, args.steps // 2)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-
-    records = _load_records()
     baseline = run_variant(args, curriculum=False)
     ours = run_variant(args, curriculum=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

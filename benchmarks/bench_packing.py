@@ -23,7 +23,6 @@ padded variants as peers.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -33,22 +32,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import records  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("padded-row", "padded-dynamic", "packed-flex", "packed-sdpa")
 PEERS = ("padded-row", "padded-dynamic")
 
 
-def _load_records() -> ModuleType:
-    path = Path(__file__).resolve().parent / "records.py"
-    spec = importlib.util.spec_from_file_location("_llmopt_bench_records", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def corpus_lengths(num_docs: int, seq_len: int, median: float, seed: int = 0) -> list[int]:
@@ -252,7 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         row = _run_one(args, variant)
         (rows.append(row) if row is not None else failed.append(variant))
     if rows:
-        records = _load_records()
         results = [r for r in rows if r["variant"] not in PEERS]
         peers = [r for r in rows if r["variant"] in PEERS]
         config = {

@@ -31,20 +31,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import records  # noqa: E402
+
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 DEFAULT_MICRO_BATCH = {"125m": 8, "1b": 4, "tiny": 2, "debug-1m": 2}
 OOM_EXIT_CODE = 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_records() -> ModuleType:
-    path = Path(__file__).resolve().parent / "records.py"
-    spec = importlib.util.spec_from_file_location("_llmopt_bench_records", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------- worker: one preset in this process
@@ -120,8 +115,6 @@ def run_preset(args: argparse.Namespace) -> dict[str, Any]:
     """Train one preset in this process, write its record, return its summary row."""
     import lightning as L
     import torch
-
-    records = _load_records()
     ceilings_mod = _load_bench_ceilings()
     smoke = args.smoke
     cuda = torch.cuda.is_available() and not smoke

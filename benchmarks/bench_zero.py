@@ -28,7 +28,6 @@ Internally each variant runs ``python -m torch.distributed.run --standalone --np
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -41,8 +40,10 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from types import ModuleType
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import records  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
@@ -57,14 +58,6 @@ GOAL_ESTIMATE_TOL = 0.10
 _GIB = 2**30
 
 
-def _load_records() -> ModuleType:
-    path = Path(__file__).resolve().parent / "records.py"
-    spec = importlib.util.spec_from_file_location("_llmopt_bench_records", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------- worker (one rank of one variant)
@@ -543,7 +536,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="llmopt-zero-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    records = _load_records()
     facts = _model_facts(args)
     estimates = _estimates(args, nproc)
     print(
