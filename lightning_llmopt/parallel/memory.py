@@ -16,13 +16,20 @@ and stage 3 everything (16Ψ/N). ``accounting="paper"`` reproduces exactly that.
   when N > 1 (``gradient_as_bucket_view=False``, torch's default).
 - stage 1 (:mod:`lightning_llmopt.parallel.zero`) keeps the full averaged gradient in persistent flat buffers and
   shards master and state; stage 2 keeps only a gradient shard in the master dtype (4Ψ/N); stage 3 is FSDP2
-  ``fully_shard``: parameters, gradients and state all 1/N, plus two gathered units (one computing, one prefetched).
+  ``fully_shard``: parameters, gradients and state all 1/N, plus the root unit (embedding, final norm, head), which
+  FSDP2 keeps gathered from forward to backward. Under ``bf16-mixed`` stage 3 gathers bf16 weights
+  (``MixedPrecisionPolicy(param_dtype=bf16)``), so the model computes on bf16 weights: a bf16 residual stream, no
+  autocast weight copies (activations as for bf16 weights, but with the fp32 RoPE table).
 - ``offload_optimizer`` moves master shards, optimizer state and the gradient shard fed to the CPU step to host
   memory (reported as ``cpu``); ``offload_parameters`` (stage 3 only) also moves parameters and gradients there.
 
 Activations are counted analytically from what autograd saves in our :class:`~lightning_llmopt.models.llama.Llama`
-(one forward, plain causal SDPA flash attention); :func:`activation_bytes` lists every term. The peak adds the
-logits and cross-entropy buffers alive at the start of backward.
+(one forward, plain causal SDPA flash attention); :func:`activation_bytes` lists every term. The peak is the larger
+of two moments of the training loop (``loop``): the end of forward, while the cross-entropy runs, and the start of
+backward. ``"lightning"`` (``CausalLMModule`` under the Trainer) calls ``zero_grad`` after ``training_step``, so the
+previous step's gradients are still alive at the end of forward, and the logits are freed when ``training_step``
+returns; ``"plain"`` (``logits = model(x); loss = ...; loss.backward(); opt.step(); opt.zero_grad()``) keeps the
+logits through backward and frees gradients after the step.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ __all__ = ["PRECISIONS", "MemoryEstimate", "activation_bytes", "estimate_memory"
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 ACCOUNTINGS = ("ours", "paper")
+LOOPS = ("lightning", "plain")
 # Optimizer state bytes per parameter held by the optimizer in fp32 (the paper's K without the master copy).
 _STATE_BYTES = {"adamw": 8, "adam": 8, "sgd_momentum": 4, "sgd": 0}
 _GIB = 2**30
@@ -54,8 +62,9 @@ class MemoryEstimate:
         activations: bytes kept for backward by one forward of the model (what ``activation_memory`` measures).
         loss: logits and cross-entropy buffers alive when backward starts (fp32 logits for the loss).
         total: ``parameters + gradients + optimizer_state + activations``.
-        peak: modelled peak allocation: static states, plus the larger of (activations + loss) at the start of
-            backward and (gradients that exist only during backward/step); stage 3 adds its gathered units.
+        peak: modelled peak allocation: static states (stage 3: with its gathered root unit), plus the largest of
+            activations + the cross-entropy's forward buffers (+ last step's gradients under ``loop="lightning"``)
+            at the end of forward, activations + ``loss`` at the start of backward, and the gradients of the step.
         cpu: host bytes of offloaded states.
         paper_model_states: the paper's figure (2+2+K bytes per parameter divided by stage) for comparison.
         num_params: Ψ, parameters counted once (tied embeddings once).
@@ -77,6 +86,7 @@ class MemoryEstimate:
     precision: str
     activation_checkpointing: str
     accounting: str
+    loop: str = "lightning"
 
     @property
     def model_states(self) -> int:
@@ -116,7 +126,7 @@ def _dtype_bytes(precision: str) -> tuple[int, int, bool]:
 
 
 def activation_bytes(config: LlamaConfig, *, precision: str, micro_batch: int, seq_len: int,
-                     activation_checkpointing: str = "none", every_n: int = 2) -> int:
+                     activation_checkpointing: str = "none", every_n: int = 2, bf16_gathered: bool = False) -> int:
     """Bytes autograd keeps for backward after one forward of :class:`Llama` (no loss), per rank.
 
     Per token of a block that is not checkpointed, with ``p``/``c`` the parameter/compute dtype bytes (4/4 fp32,
@@ -137,15 +147,24 @@ def activation_bytes(config: LlamaConfig, *, precision: str, micro_batch: int, s
     norm's saved tensors and the output projection's input (and, under autocast, its weight copy); the int64 token
     ids are counted, and the ``(T,)`` positions when some block is checkpointed (the RoPE gather saves nothing
     since the table needs no gradient). Sliding windows, packed documents and q/k/v biases are not modelled.
+
+    ``bf16_gathered=True`` (stage 3 under ``bf16-mixed``: FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16)``) computes
+    on gathered bf16 weights under autocast: the embedding output and so the residual stream are bf16 (``p = 2``),
+    autocast has nothing to cast (no weight copies, one shared bf16 input per norm), while buffers are not cast, so
+    the RoPE rows stay fp32 (``4 * D`` per call). The saved weights are the gathered units, freed by
+    ``reshard_after_forward`` and counted by :func:`estimate_memory`, not here.
     """
     _check_activation_args(precision, micro_batch, seq_len, activation_checkpointing, every_n)
     assert config.head_dim is not None and config.n_kv_heads is not None and config.ffn_hidden_dim is not None
     p, c, autocast = _dtype_bytes(precision)
+    buffer = p  # RoPE table bytes: bf16-true casts buffers with the module, FSDP2's param_dtype does not
+    if bf16_gathered and precision == "bf16-mixed":
+        p, autocast, buffer = 2, False, 4
     d, f, hd, heads = config.dim, config.ffn_hidden_dim, config.head_dim, config.n_heads
     q, kv = heads * hd, config.n_kv_heads * hd
     norm = 4 * d + 4 + (4 * d if p == 4 else 2 * d)
     qkv_in, ffn_in, head_in = (3 * c * d, 2 * c * d, c * d) if autocast else (p * d, p * d, p * d)
-    rope = 2 * p * hd
+    rope = 2 * buffer * hd
     attn = c * (q + 2 * kv) + c * q + 4 * heads + c * q
     swiglu = 4 * c * f
     block = 2 * norm + qkv_in + ffn_in + rope + attn + swiglu
@@ -168,15 +187,23 @@ def activation_bytes(config: LlamaConfig, *, precision: str, micro_batch: int, s
     return total + 8 * tokens + (8 * seq_len if checkpointed else 0)
 
 
-def loss_bytes(config: LlamaConfig, *, precision: str, micro_batch: int, seq_len: int) -> int:
-    """Logits and fp32 cross-entropy buffers alive when backward starts.
+def loss_bytes(config: LlamaConfig, *, precision: str, micro_batch: int, seq_len: int, loop: str = "plain",
+               moment: str = "backward") -> int:
+    """Logits and fp32 cross-entropy buffers of ``F.cross_entropy(logits.float(), labels)`` at one moment.
 
-    The logits in the compute dtype (``c*V`` per token), and ``F.cross_entropy(logits.float(), ...)``'s saved
-    log-softmax output plus the two gradient buffers (of nll and of log-softmax) that backward allocates while it is
-    still alive (``3 * 4V``), plus the int64 labels.
+    ``moment="backward"`` (backward starts): the saved log-softmax output plus the two gradient buffers (of nll and
+    of log-softmax) that backward allocates while it is still alive (``3 * 4V`` per token), plus the logits in the
+    compute dtype (``c*V``) when the caller still holds them (``loop="plain"``; Lightning's ``training_step`` has
+    returned and freed them). ``moment="forward"`` (inside the cross-entropy): the logits, their fp32 copy and the
+    log-softmax output (``c*V + 8V``). Both add the int64 labels.
     """
     _, c, _ = _dtype_bytes(precision)
-    return micro_batch * seq_len * (c * config.vocab_size + 12 * config.vocab_size + 8)
+    v = config.vocab_size
+    if moment == "forward":
+        per_token = c * v + 8 * v
+    else:
+        per_token = 12 * v + (c * v if loop == "plain" else 0)
+    return micro_batch * seq_len * (per_token + 8)
 
 
 @dataclass(frozen=True)
@@ -187,7 +214,7 @@ class _States:
     optimizer_state: int
     master_weights: int
     cpu: int
-    gathered: int  # stage 3: unsharded units alive at once
+    gathered: int  # stage 3: unsharded units alive at the peak (the root unit)
 
 
 def _paper_states(psi: int, stage: int, n: int, k: int) -> _States:
@@ -200,6 +227,7 @@ def _paper_states(psi: int, stage: int, n: int, k: int) -> _States:
 
 def _our_states(config: LlamaConfig, psi: int, stage: int, n: int, precision: str, state_bytes: int,
                 offload_optimizer: bool, offload_parameters: bool) -> _States:
+    """What this codebase stores. Stage 0 is DDP; a bf16-mixed gradient lands in fp32 ``param.grad``."""
     p, _, _ = _dtype_bytes(precision)
     shard = math.ceil(psi / n)
     if stage == 0:
@@ -208,7 +236,8 @@ def _our_states(config: LlamaConfig, psi: int, stage: int, n: int, precision: st
         ddp_buckets = p * psi if n > 1 else 0
         return _States(params, grads + ddp_buckets, ddp_buckets, state_bytes * psi * p // 4, 0, 0, 0)
     if stage == 3:
-        return _fsdp_states(config, psi, n, p, state_bytes, offload_optimizer, offload_parameters)
+        gathered = 2 if precision == "bf16-mixed" else p  # FSDP2 param_dtype (strategies/zero.py)
+        return _fsdp_states(config, psi, n, p, gathered, state_bytes, offload_optimizer, offload_parameters)
     # Our ZeRO-1/2: state over fp32 master shards; a master shard is the parameter slice itself for fp32 parameters.
     master = 0 if (p == 4 and not offload_optimizer) else 4 * shard
     state = state_bytes * shard
@@ -224,13 +253,19 @@ def _our_states(config: LlamaConfig, psi: int, stage: int, n: int, precision: st
     return _States(p * psi, grads, persistent, master + state, master, cpu, 0)
 
 
-def _fsdp_states(config: LlamaConfig, psi: int, n: int, p: int, state_bytes: int, offload_optimizer: bool,
+def _fsdp_states(config: LlamaConfig, psi: int, n: int, p: int, g: int, state_bytes: int, offload_optimizer: bool,
                  offload_parameters: bool) -> _States:
-    """FSDP2 ``fully_shard``: the sharded parameter is what the optimizer updates (state in its dtype)."""
+    """FSDP2 ``fully_shard`` (``g``: gathered bytes per parameter): the sharded parameter is what the optimizer updates.
+
+    The peak (end of forward / start of backward) holds no block unit: each block is resharded after its forward
+    and re-gathered (with one prefetched) only once backward reaches it, when the loss buffers and its activations
+    are being freed. The root unit (embedding, final norm, head) is not resharded after forward (FSDP2 keeps the
+    root gathered since backward needs it at once), so it is alive at the peak: ``g`` bytes per root parameter.
+    """
     shard = math.ceil(psi / n)
     params, grads, state = p * shard, p * shard, state_bytes * shard * p // 4
-    _, block, _, embedding = parameter_counts(config)
-    gathered = 2 * p * max(block, embedding) if n > 1 else 0  # the unit computing and the one prefetched
+    total, block, _, _ = parameter_counts(config)
+    gathered = g * (total - config.n_layers * block)  # embedding, final norm and (untied) output head
     cpu = 0
     if offload_optimizer:
         cpu, state = state, 0
@@ -242,7 +277,7 @@ def _fsdp_states(config: LlamaConfig, psi: int, n: int, p: int, state_bytes: int
 def estimate_memory(config: LlamaConfig, *, stage: int, world_size: int, precision: str, micro_batch: int,
                     seq_len: int, activation_checkpointing: str = "none", every_n: int = 2, optimizer: str = "adamw",
                     offload_optimizer: bool = False, offload_parameters: bool = False,
-                    accounting: str = "ours") -> MemoryEstimate:
+                    accounting: str = "ours", loop: str = "lightning") -> MemoryEstimate:
     """Per-rank memory of training ``Llama(config)`` with ZeRO ``stage`` on ``world_size`` data-parallel ranks.
 
     Arguments:
@@ -259,13 +294,22 @@ def estimate_memory(config: LlamaConfig, *, stage: int, world_size: int, precisi
         offload_optimizer: ZeRO-Offload (stage >= 1): master shards and optimizer state on the CPU.
         offload_parameters: stage 3 only: parameters and gradients on the CPU too.
         accounting: ``"ours"`` (what this codebase stores) or ``"paper"`` (2+2+K bytes per parameter, ZeRO §5).
+        loop: ``"lightning"`` (``zero_grad`` after ``training_step``, logits freed before backward) or ``"plain"``
+            (logits held through backward, ``zero_grad`` after the step); see the module docstring.
 
-    Returns: a :class:`MemoryEstimate` (bytes per rank). Activations do not depend on the stage.
+    Returns: a :class:`MemoryEstimate` (bytes per rank). Activations depend on the stage only through stage 3's
+    bf16 gathered weights under ``bf16-mixed``.
     """
     _check_state_args(stage, world_size, precision, optimizer, offload_optimizer, offload_parameters, accounting)
+    if loop not in LOOPS:
+        raise ValueError(f"loop ({loop!r}) must be one of {LOOPS}")
+    bf16_gathered = stage == 3 and accounting == "ours"
     activations = activation_bytes(config, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                                   activation_checkpointing=activation_checkpointing, every_n=every_n)
-    loss = loss_bytes(config, precision=precision, micro_batch=micro_batch, seq_len=seq_len)
+                                   activation_checkpointing=activation_checkpointing, every_n=every_n,
+                                   bf16_gathered=bf16_gathered)
+    kw = dict(precision=precision, micro_batch=micro_batch, seq_len=seq_len, loop=loop)
+    loss = loss_bytes(config, moment="backward", **kw)  # type: ignore[arg-type]
+    forward_loss = loss_bytes(config, moment="forward", **kw)  # type: ignore[arg-type]
     psi = parameter_counts(config)[0]
     state_bytes = _STATE_BYTES[optimizer]
     paper = _paper_states(psi, stage, world_size, 4 + state_bytes)
@@ -273,16 +317,18 @@ def estimate_memory(config: LlamaConfig, *, stage: int, world_size: int, precisi
         s = paper
     else:
         s = _our_states(config, psi, stage, world_size, precision, state_bytes, offload_optimizer, offload_parameters)
-    static = s.parameters + s.optimizer_state + s.persistent_gradients
+    static = s.parameters + s.optimizer_state + s.persistent_gradients + s.gathered
     transient_grads = s.gradients - s.persistent_gradients
-    peak = static + max(activations + loss, transient_grads) + s.gathered
+    stale_grads = transient_grads if loop == "lightning" else 0  # last step's, until zero_grad before backward
+    forward_end = activations + forward_loss + stale_grads
+    peak = static + max(forward_end, activations + loss, transient_grads)
     total = s.parameters + s.gradients + s.optimizer_state + activations
     return MemoryEstimate(
         parameters=s.parameters, gradients=s.gradients, optimizer_state=s.optimizer_state,
         master_weights=s.master_weights, activations=activations, loss=loss, total=total, peak=peak, cpu=s.cpu,
         paper_model_states=paper.parameters + paper.gradients + paper.optimizer_state, num_params=psi, stage=stage,
         world_size=world_size, precision=precision, activation_checkpointing=activation_checkpointing,
-        accounting=accounting,
+        accounting=accounting, loop=loop,
     )
 
 

@@ -59,8 +59,9 @@ def test_stage_ratios(n: int) -> None:
         assert ours[0].model_states == 16 * psi
     else:
         assert ours[0].gradients == 8 * psi  # param.grad plus DDP's gradient buckets
-    # Activations do not depend on the stage; the peak decreases with the stage.
-    assert len({e.activations for e in ours}) == 1
+    # Activations do not depend on stages 0-2; stage 3 computes on gathered bf16 weights (no autocast weight copies,
+    # bf16 residual stream), so it keeps less. The peak decreases with the stage.
+    assert len({e.activations for e in ours[:3]}) == 1 and ours[3].activations < ours[2].activations
     assert ours[3].peak <= ours[2].peak <= ours[1].peak
 
 
@@ -113,6 +114,35 @@ def test_activations_match_measurement_on_cpu(precision: str, preset: str, overr
         assert est == pytest.approx(measured, rel=0.02), (policy, est, measured)
 
 
+@pytest.mark.parametrize(("preset", "overrides", "batch", "seq_len"), [
+    ("tiny", {}, 2, 37),
+    ("tiny", dict(n_layers=5, dim=96, n_heads=6, n_kv_heads=2, ffn_hidden_dim=160), 1, 113),
+    ("debug-1m", {}, 3, 17),
+])
+def test_stage3_bf16_gathered_activations_match_measurement_on_cpu(preset: str, overrides: dict[str, Any],
+                                                                  batch: int, seq_len: int) -> None:
+    # What FSDP2's MixedPrecisionPolicy(param_dtype=bf16) runs under autocast: bf16 weights (the gathered copies,
+    # excluded like parameters), buffers (the RoPE table) left in fp32.
+    cfg = LlamaConfig.from_preset(preset, **overrides)
+    for policy in POLICIES:
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+        assert model.rope.dtype == torch.float32
+        apply_activation_checkpointing(model, policy)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+
+        def forward(model: Llama = model, tokens: torch.Tensor = tokens) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(tokens)
+
+        measured = activation_memory(model, forward)
+        est = activation_bytes(cfg, precision="bf16-mixed", micro_batch=batch, seq_len=seq_len,
+                               activation_checkpointing=policy, bf16_gathered=True)
+        assert est == pytest.approx(measured, rel=0.02), (policy, est, measured)  # exact on CPU; 2% as above
+
+
 def test_activations_and_peak_match_recorded_h100_run() -> None:
     records = sorted(RESULTS.glob("ac-1b-*.json"))
     if not records:
@@ -124,10 +154,42 @@ def test_activations_and_peak_match_recorded_h100_run() -> None:
     for policy, row in rows.items():
         est = estimate_memory(LlamaConfig.from_preset(cfg["preset"]), stage=0, world_size=1, precision="bf16-mixed",
                               micro_batch=cfg["micro_batch"], seq_len=cfg["seq_len"],
-                              activation_checkpointing=policy, every_n=cfg["every_n"])
+                              activation_checkpointing=policy, every_n=cfg["every_n"], loop="plain")
         # The issue's goal: measured memory within 10% of the estimate.
         assert est.activations / 2**30 == pytest.approx(row["saved_activation_gib"], rel=0.1), policy
         assert est.peak / 2**30 == pytest.approx(row["peak_allocated_gib"], rel=0.1), policy
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_peak_matches_recorded_multigpu_runs(n: int) -> None:
+    # benchmarks/bench_zero.py: Lightning Trainer, bf16-mixed, AdamW; max over ranks of max_memory_allocated.
+    records = sorted(RESULTS.glob(f"zero-1b-{n}gpu-*.json"))
+    if not records:
+        pytest.skip(f"no recorded zero-1b-{n}gpu benchmark")
+    record = json.loads(records[0].read_text())
+    cfg = record["config"]
+    assert cfg["world_size"] == n and cfg["precision"] == "bf16-mixed" and cfg["activation_checkpointing"] == "none"
+    rows = {r["variant"]: r for r in record["results"] + record["peers"]}
+    assert {"ddp", "zero1", "zero2", "zero3"} <= set(rows)
+    for variant, row in rows.items():
+        est = estimate_memory(LlamaConfig.from_preset(cfg["preset"]), stage=row["estimate_stage"], world_size=n,
+                              precision="bf16-mixed", micro_batch=cfg["micro_batch_per_rank"],
+                              seq_len=cfg["seq_len"])
+        # The issue's goal: measured memory within 10% of the estimate (ddp is a peer: its max rank holds one
+        # unexplained transient full gradient more, see docs/memory_estimate.md; it still lands within 10%).
+        assert est.peak / 2**30 == pytest.approx(row["peak_allocated_gib"], rel=0.1), variant
+
+
+def test_stage3_peak_falls_by_the_model_states_shrinkage() -> None:
+    # From N=2 to N=4 only the 1/N terms change: parameters, last step's gradients (alive at the end of forward
+    # under Lightning) and AdamW state, 16 bytes per parameter; activations and the gathered root do not.
+    cfg = LlamaConfig.from_preset("1b")
+    psi = parameter_counts(cfg)[0]
+    e2, e4 = (estimate_memory(cfg, stage=3, world_size=n, precision="bf16-mixed", micro_batch=4, seq_len=4096)
+              for n in (2, 4))
+    assert e2.peak - e4.peak == 16 * psi // 2 - 16 * psi // 4
+    assert e2.activations == e4.activations < estimate_memory(cfg, stage=2, world_size=2, precision="bf16-mixed",
+                                                             micro_batch=4, seq_len=4096).activations
 
 
 def _zero_memory(stage: int, dtype_name: str) -> dict[str, int]:
@@ -171,6 +233,7 @@ def test_model_states_match_zero_engine(dist_pool: Any, stage: int, dtype_name: 
     (dict(stage=0, offload_optimizer=True), r"offload_optimizer=True needs ZeRO stage >= 1, got stage \(0\)"),
     (dict(stage=2, offload_parameters=True), r"offload_parameters=True needs stage 3, got stage \(2\)"),
     (dict(accounting="deepspeed"), r"accounting \('deepspeed'\) must be one of"),
+    (dict(loop="fabric"), r"loop \('fabric'\) must be one of"),
 ])
 def test_bad_inputs_name_the_value(kwargs: dict[str, Any], message: str) -> None:
     args: dict[str, Any] = dict(stage=1, world_size=2, precision="bf16-mixed", micro_batch=1, seq_len=8)
