@@ -34,6 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
 import records  # noqa: E402
 
+from lightning_llmopt.testing.data import RandomTokens  # noqa: E402
+
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 DEFAULT_MICRO_BATCH = {"125m": 8, "1b": 4, "tiny": 2, "debug-1m": 2}
 OOM_EXIT_CODE = 3
@@ -45,22 +47,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # --------------------------------------------------------------------------- worker: one preset in this process
 
 
-def _make_dataset(vocab_size: int, seq_len: int, length: int, seed: int) -> Any:
-    import torch
-    from torch.utils.data import Dataset
-
-    class RandomTokens(Dataset):
-        """Row i: ``seq_len + 1`` random ids from a generator seeded with ``seed + i``; labels are the next tokens."""
-
-        def __len__(self) -> int:
-            return length
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            g = torch.Generator().manual_seed(seed + i)
-            ids = torch.randint(0, vocab_size, (seq_len + 1,), generator=g)
-            return {"input_ids": ids[:-1], "labels": ids[1:]}  # (T,), (T,)
-
-    return RandomTokens()
 
 
 def _step_timer(skip: int) -> Any:
@@ -134,7 +120,7 @@ def run_preset(args: argparse.Namespace) -> dict[str, Any]:
     preset, seq_len, batch = args.worker, args.seq_len, args.micro_batch_size
     total_steps = args.warmup_steps + args.steps
     module, vocab_size = _build_module(preset, seq_len, total_steps)
-    dataset = _make_dataset(vocab_size, seq_len, total_steps * batch, seed=1234)
+    dataset = RandomTokens(vocab_size, seq_len, total_steps * batch, seed=1234)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=False, num_workers=0, pin_memory=cuda)
     timer = _step_timer(skip=args.warmup_steps)
     trainer = L.Trainer(

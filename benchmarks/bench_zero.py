@@ -45,6 +45,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
 import records  # noqa: E402
 
+from lightning_llmopt.testing.data import RandomTokens  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
 OURS = ("zero1", "zero2", "zero3")
@@ -63,22 +65,6 @@ _GIB = 2**30
 # --------------------------------------------------------------------------- worker (one rank of one variant)
 
 
-def _make_dataset(vocab_size: int, seq_len: int, length: int, seed: int) -> Any:
-    import torch
-    from torch.utils.data import Dataset
-
-    class RandomTokens(Dataset):
-        """Row i: ``seq_len + 1`` random ids from a generator seeded with ``seed + i``; labels are the next tokens."""
-
-        def __len__(self) -> int:
-            return length
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            g = torch.Generator().manual_seed(seed + i)
-            ids = torch.randint(0, vocab_size, (seq_len + 1,), generator=g)
-            return {"input_ids": ids[:-1], "labels": ids[1:]}  # (T,), (T,)
-
-    return RandomTokens()
 
 
 def _measure_callback(warmup: int, cuda: bool) -> Any:
@@ -226,7 +212,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         args.preset, model_overrides=_overrides(args.preset, args.seq_len), warmup_steps=2, max_steps=total_steps
     )
     batch = args.micro_batch
-    dataset = _make_dataset(module.config.vocab_size, args.seq_len, total_steps * batch * world, seed=1234)
+    dataset = RandomTokens(module.config.vocab_size, args.seq_len, total_steps * batch * world, seed=1234)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=batch, shuffle=False, num_workers=2 if cuda else 0, pin_memory=cuda, persistent_workers=cuda
     )

@@ -4,6 +4,7 @@
   (:class:`DistributedPool`, :func:`run_distributed`).
 - :mod:`lightning_llmopt.testing.markers`: ``RunIf``, ``gpu``/``multigpu`` markers (imports pytest).
 - :mod:`lightning_llmopt.testing.triton`: running Triton kernels in the interpreter on CPU.
+- :mod:`lightning_llmopt.testing.data`: :class:`RandomTokens`, synthetic batches for tests and benchmarks.
 
 Importing this package imports neither pytest nor triton; ``RunIf`` and the markers load pytest on first access.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_llmopt.testing.data import RandomTokens
 from lightning_llmopt.testing.distributed import (
     DistributedPool,
     DistributedTaskError,
@@ -34,6 +36,7 @@ __all__ = [
     "DistributedPool",
     "DistributedTaskError",
     "DistributedTimeoutError",
+    "RandomTokens",
     "close_all_pools",
     "enable_interpreter_without_cuda",
     "get_pool",
