@@ -60,11 +60,7 @@ GOAL_ESTIMATE_TOL = 0.10
 _GIB = 2**30
 
 
-
-
 # --------------------------------------------------------------------------- worker (one rank of one variant)
-
-
 
 
 def _measure_callback(warmup: int, cuda: bool) -> Any:
@@ -159,6 +155,9 @@ def _fsdp2_module_class() -> type:
     return FSDP2CausalLM
 
 
+ZERO_KWARGS: dict[str, Any] = {}  # --zero-kwargs: extra ZeroStrategy arguments for our variants
+
+
 def _build_strategy(name: str, world: int, cuda: bool, precision: str) -> tuple[Any, Any]:
     """``(strategy, module class)`` for one variant."""
     from lightning_llmopt import CausalLMModule
@@ -181,7 +180,7 @@ def _build_strategy(name: str, world: int, cuda: bool, precision: str) -> tuple[
     if name in OURS:
         from lightning_llmopt.strategies import ZeroStrategy
 
-        return ZeroStrategy(stage=STAGE_OF[name]), CausalLMModule
+        return ZeroStrategy(stage=STAGE_OF[name], **ZERO_KWARGS), CausalLMModule
     raise SystemExit(f"unknown strategy {name!r}; choose from {VARIANTS}")
 
 
@@ -328,6 +327,8 @@ def run_variant(args: argparse.Namespace, variant: str, nproc: int, log_dir: Pat
         str(args.steps),
         "--json-out",
         str(out),
+        "--zero-kwargs",
+        args.zero_kwargs,
     ] + (["--smoke"] if args.smoke else [])
     log_path = log_dir / f"zero-{variant}-{nproc}.log"
     print(f"[{variant}] {' '.join(cmd[2:6])} ... (log {log_path})", flush=True)
@@ -420,6 +421,24 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, metric: str) -> f
     return a[metric] / b[metric] if b[metric] else None
 
 
+def _merge_previous(rows: dict[str, dict[str, Any]], path: Path) -> list[str]:
+    """Add the rows of ``path``'s record for variants not run now; return notes saying which and from when."""
+    if not path.exists():
+        return [f"--merge: no earlier record at {path.name}"]
+    old = json.loads(path.read_text())
+    kept = []
+    for row in [*old.get("results", []), *old.get("peers", [])]:
+        if row.get("variant") in rows or "error" in row:
+            continue
+        row = dict(row)
+        row.setdefault("run_date", old.get("date"))
+        rows[row["variant"]] = row
+        kept.append(f"{row['variant']} ({row['run_date']})")
+    if not kept:
+        return []
+    return [f"merged from the earlier record (not rerun): {', '.join(kept)}; ratios only pair rows of one run"]
+
+
 def _goal_notes(rows: dict[str, dict[str, Any]], cuda: bool) -> list[str]:
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.3f}"
@@ -430,12 +449,15 @@ def _goal_notes(rows: dict[str, dict[str, Any]], cuda: bool) -> list[str]:
     notes = []
     ddp = rows.get("ddp")
     for v in ("zero1", "zero2"):
-        r = _ratio(rows.get(v), ddp, "tokens_per_s")
+        same = ddp is not None and v in rows and rows[v].get("run_date") == ddp.get("run_date")
+        r = _ratio(rows.get(v), ddp, "tokens_per_s") if same else None
         notes.append(
             f"goal: {v} tokens/s >= {GOAL_ZERO12_VS_DDP}x ddp: {fmt(r)}x -> "
             f"{verdict(None if r is None else r >= GOAL_ZERO12_VS_DDP)}"
         )
     for peer in ("fsdp", "fsdp2"):
+        if peer in rows and "zero3" in rows and rows[peer].get("run_date") != rows["zero3"].get("run_date"):
+            continue  # measured in different runs: no same-run ratio
         r = _ratio(rows.get("zero3"), rows.get(peer), "tokens_per_s")
         m = _ratio(rows.get("zero3"), rows.get(peer), "peak_allocated_gib") if cuda else None
         ok = None if r is None or (cuda and m is None) else (r >= GOAL_ZERO3_VS_FSDP and (m is None or m <= 1.0))
@@ -491,10 +513,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results (temp w/ smoke)")
     parser.add_argument("--log-dir", type=Path, default=None, help="per-variant logs (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 ranks, tiny preset: code path only")
+    parser.add_argument(
+        "--zero-kwargs",
+        default="{}",
+        help="JSON of extra ZeroStrategy arguments, e.g. '{\"split_edges\": false}' (recorded in the config)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep rows of variants not run now from the existing "
+        "record (each row keeps its own date; a ratio is only formed within one run)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    ZERO_KWARGS.update(json.loads(args.zero_kwargs))
     smoke = args.smoke
     args.preset = args.preset or ("tiny" if smoke else "1b")
     args.seq_len = args.seq_len or (64 if smoke else 4096)
@@ -531,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     rows: dict[str, dict[str, Any]] = {}
+    run_date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     skipped: list[str] = []
     for variant in variants:
         if smoke and variant == "fsdp":
@@ -549,16 +584,22 @@ def main(argv: list[str] | None = None) -> int:
             row["model_tflops_per_gpu"] = facts["flops_per_token"] * row["tokens_per_s_per_gpu"] / 1e12
             if cuda:
                 row["mfu_vs_datasheet"] = row["model_tflops_per_gpu"] / DATASHEET_BF16_TFLOPS
+        row["run_date"] = run_date
+        if ZERO_KWARGS and variant in OURS:
+            row["zero_kwargs"] = dict(ZERO_KWARGS)
         rows[variant] = row
 
-    variants = [v for v in variants if v in rows]
+    name = f"zero-{args.preset}-{nproc}{'gpu' if cuda else 'cpu'}"
+    previous = records.record_path({"name": name, "env": records.environment()}, results_dir)
+    merged = _merge_previous(rows, previous) if args.merge else []
+    variants = [v for v in VARIANTS if v in rows]
     ours = [rows[v] for v in variants if v in OURS]
     peers = [rows[v] for v in variants if v not in OURS]
     ratios: list[dict[str, Any]] = []
     pairs = [("zero1", "ddp"), ("zero2", "ddp"), ("zero3", "fsdp"), ("zero3", "fsdp2")]
     for metric in ("tokens_per_s", "peak_allocated_gib"):
         for a, b in pairs:
-            if a in rows and b in rows:
+            if a in rows and b in rows and rows[a].get("run_date") == rows[b].get("run_date"):  # same run only
                 ratios += records.compute_ratios([rows[a]], [rows[b]], metric)
     notes = [
         f"each variant in its own `torchrun --standalone --nproc-per-node={nproc}` launch (fresh process group)",
@@ -573,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         "block and root from the meta device (bf16 param_dtype, reduce in bf16, implicit prefetch)",
         *_goal_notes(rows, cuda),
     ]
-    notes += skipped
+    notes += skipped + merged
     failed = [v for v in variants if "error" in rows[v]]
     for v in failed:
         notes.append(f"{v} failed: {rows[v]['error']}")
@@ -595,7 +636,6 @@ def main(argv: list[str] | None = None) -> int:
         "variants": variants,
         "estimate_peak_gib_by_stage": {str(s): round(e.peak / _GIB, 4) for s, e in estimates.items()},
     }
-    name = f"zero-{args.preset}-{nproc}{'gpu' if cuda else 'cpu'}"
     record = records.make_record(
         name,
         config=config,

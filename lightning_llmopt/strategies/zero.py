@@ -59,6 +59,8 @@ class ZeroStrategy(DDPStrategy):
         max_consecutive_skips: ``16-mixed``: raise after this many skipped steps in a row.
         checkpoint_keep_last: keep only this many complete checkpoints per checkpoint root (``None``: all).
         reshard_after_forward: stage 3: free gathered parameters after forward (``False`` behaves like ZeRO-2).
+        split_edges: stage 3: shard the token embedding and the final norm + output head as their own FSDP units
+            (``False``: they stay in the root unit, gathered for the whole step).
         start_method: ``"popen"`` (script launcher, torchrun, SLURM) or ``"spawn"``/``"forkserver"``.
         **kwargs: passed to ``DDPStrategy`` (``accelerator``, ``cluster_environment``, ``process_group_backend``,
             ``timeout``, ...).
@@ -70,7 +72,8 @@ class ZeroStrategy(DDPStrategy):
                  bucket_size_mb: float = 25, reduce_dtype: torch.dtype | str | None = None,
                  loss_scale_init: float = 2.0**16, loss_scale_growth_interval: int = 2000,
                  max_consecutive_skips: int | None = 20, checkpoint_keep_last: int | None = None,
-                 reshard_after_forward: bool = True, start_method: str = "popen", **kwargs: Any) -> None:
+                 reshard_after_forward: bool = True, split_edges: bool = True, start_method: str = "popen",
+                 **kwargs: Any) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"stage ({stage}) must be 1, 2 or 3")
         if offload_parameters and stage != 3:
@@ -90,6 +93,7 @@ class ZeroStrategy(DDPStrategy):
         self.bucket_size_mb = bucket_size_mb
         self.reduce_dtype: torch.dtype | None = reduce_dtype  # type: ignore[assignment]  # str converted above
         self.reshard_after_forward = reshard_after_forward
+        self.split_edges = split_edges
         self.checkpoint_keep_last = checkpoint_keep_last
         self._scaler_kwargs = {"init_scale": loss_scale_init, "growth_interval": loss_scale_growth_interval,
                                "max_consecutive_skips": max_consecutive_skips}
@@ -163,7 +167,7 @@ class ZeroStrategy(DDPStrategy):
         param_dtype = torch.bfloat16 if getattr(self.precision_plugin, "precision", "") == "bf16-mixed" else None
         zero_fsdp.shard_module(self.model, mesh, offload_parameters=self.offload_parameters,
                                param_dtype=param_dtype, reduce_dtype=self.reduce_dtype,
-                               reshard_after_forward=self.reshard_after_forward)
+                               reshard_after_forward=self.reshard_after_forward, split_edges=self.split_edges)
         device = torch.device("cpu") if self.offload_parameters else self.root_device
         zero_fsdp.materialize(self.model, device)
 

@@ -1,10 +1,10 @@
 """Stage 3 of :class:`~lightning_llmopt.strategies.ZeroStrategy`: FSDP2 ``fully_shard`` from a meta-device model.
 
 1. ``configure_model`` builds the model on the meta device (the strategy's ``tensor_init_context``).
-2. :func:`shard_module` applies ``fully_shard`` to every transformer block (the values of each ``layers``
-   ``ModuleList``/``ModuleDict``: our ``Llama.layers``, transformers' ``model.layers``), then to every top-level child
-   of the LightningModule that holds parameters (the roots whose ``forward`` the module calls), and sets forward and
-   backward prefetching of the next/previous block.
+2. :func:`shard_module` applies ``fully_shard`` to the token embedding, to every transformer block (the values of
+   each ``layers`` ``ModuleList``/``ModuleDict``: our ``Llama.layers``, transformers' ``model.layers``) and to the
+   final norm + output head as one unit, then to every top-level child of the LightningModule that holds parameters
+   (the roots whose ``forward`` the module calls), and sets forward and backward prefetching along that chain.
 3. :func:`materialize` allocates only the local shards (``to_empty``) and initialises them: ``init_weights()`` where a
    module defines it (``Llama``), else ``reset_parameters()``. No rank ever holds a full copy of the model.
 """
@@ -28,10 +28,58 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+_EMBEDDING_NAMES = ("tok_embeddings", "embed_tokens")
+_HEAD_NAMES = ("output", "lm_head")
+_FINAL_NORM_NAMES = ("norm",)
+
+
+def edge_modules(module: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
+    """``(embedding, [final norm, head])`` of the first decoder found in ``module`` (ours or transformers').
+
+    The embedding is the ``tok_embeddings``/``embed_tokens`` module that sits beside a ``layers`` container; the head
+    group is that decoder's (or its parent's) final ``norm`` and ``output``/``lm_head``. Tied embedding and head
+    weights return ``(None, [])``: one parameter cannot belong to two FSDP units.
+    """
+    named = dict(module.named_modules())
+    for name, child in named.items():
+        if name.rsplit(".", 1)[-1] != "layers" or not isinstance(child, nn.ModuleList | nn.ModuleDict):
+            continue
+        decoder_name = name.rsplit(".", 1)[0] if "." in name else ""
+        parents = [decoder_name]
+        if "." in decoder_name:
+            parents.append(decoder_name.rsplit(".", 1)[0])  # transformers: lm_head sits on the *ForCausalLM
+        elif decoder_name:
+            parents.append("")
+
+        def find(names: tuple[str, ...], parents: list[str] = parents) -> nn.Module | None:
+            for parent in parents:
+                for n in names:
+                    sub = named.get(f"{parent}.{n}" if parent else n)
+                    if sub is not None and any(True for _ in sub.parameters()):
+                        return sub
+            return None
+
+        embedding, head, norm = find(_EMBEDDING_NAMES), find(_HEAD_NAMES), find(_FINAL_NORM_NAMES)
+        if embedding is not None and head is not None:
+            shared = {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}
+            if shared:
+                return None, []
+        return embedding, [m for m in (norm, head) if m is not None]
+    return None, []
+
+
 def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = False,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 reshard_after_forward: bool = True, prefetch: bool = True) -> list[nn.Module]:
-    """Apply FSDP2 to ``module``'s blocks then to its top-level children with parameters; returns the sharded units.
+                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 split_edges: bool = True) -> list[nn.Module]:
+    """Apply FSDP2 to ``module``'s units, then to its top-level children with parameters; returns the sharded units.
+
+    Units, in forward order: the token embedding, every transformer block, and the final norm with the output head
+    (``split_edges``; otherwise these stay in the root unit). Each unit's gather and reduce-scatter then overlaps
+    with its neighbours' compute: the head's gradients are reduced while the blocks run backward, and the first
+    forward gather is the embedding alone rather than embedding plus head. The last block and the head group keep
+    their gathered parameters from forward into backward (``reshard_after_forward=False``), since backward needs
+    them first. Forward and backward prefetch run along the whole chain.
 
     Raises ``ValueError`` (before any collective) if parameters sit directly on ``module``: they belong to no root
     whose forward FSDP2 can hook.
@@ -46,18 +94,28 @@ def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = Fal
     kwargs: dict[str, Any] = {"mesh": mesh, "offload_policy": offload,
                               "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     blocks = transformer_blocks(module)
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    embedding, head = edge_modules(module) if split_edges else (None, [])
+    chain: list[nn.Module] = []
+    if embedding is not None:
+        fully_shard(embedding, reshard_after_forward=reshard_after_forward, **kwargs)
+        chain.append(embedding)
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1 and bool(head)
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **kwargs)
+        chain.append(block)
+    if head:
+        fully_shard(head, reshard_after_forward=False, **kwargs)  # type: ignore[arg-type]  # list: one unit
+        chain.append(head[-1])
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
     for root in roots:
         fully_shard(root, reshard_after_forward=reshard_after_forward, **kwargs)
-    if prefetch and len(blocks) > 1:
-        for i, block in enumerate(blocks):
-            if i + 1 < len(blocks):
-                block.set_modules_to_forward_prefetch([blocks[i + 1]])  # type: ignore[operator]
+    if prefetch and len(chain) > 1:
+        for i, unit in enumerate(chain):
+            if i + 1 < len(chain):
+                unit.set_modules_to_forward_prefetch([chain[i + 1]])  # type: ignore[operator]
             if i > 0:
-                block.set_modules_to_backward_prefetch([blocks[i - 1]])  # type: ignore[operator]
-    return [*blocks, *roots]
+                unit.set_modules_to_backward_prefetch([chain[i - 1]])  # type: ignore[operator]
+    return [*chain, *roots]
 
 
 @torch.no_grad()
