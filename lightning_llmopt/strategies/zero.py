@@ -169,7 +169,7 @@ class ZeroStrategy(DDPStrategy):
                                param_dtype=param_dtype, reduce_dtype=self.reduce_dtype,
                                reshard_after_forward=self.reshard_after_forward, split_edges=self.split_edges)
         device = torch.device("cpu") if self.offload_parameters else self.root_device
-        zero_fsdp.materialize(self.model, device)
+        zero_fsdp.materialize(self.model, device, buffer_device=self.root_device)
 
     @torch.no_grad()
     def _broadcast_module_states(self) -> None:

@@ -119,9 +119,14 @@ def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = Fal
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, device: torch.device) -> None:
-    """Allocate meta parameters/buffers on ``device`` (local shards only) and initialise them in place."""
+def materialize(module: nn.Module, device: torch.device, buffer_device: torch.device | None = None) -> None:
+    """Allocate meta parameters/buffers on ``device`` (local shards only) and initialise them in place.
+
+    ``buffer_device``: where buffers end up (default ``device``). With parameter offload the parameters stay on the
+    CPU and FSDP2 moves them for compute, but it does not manage buffers (RoPE tables): those go to the GPU.
+    """
     if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        _move_buffers(module, buffer_device)
         return
     module.to_empty(device=device)
     done: set[int] = set()
@@ -134,6 +139,16 @@ def materialize(module: nn.Module, device: torch.device) -> None:
             done.update(id(m) for m in sub.modules())
         elif callable(getattr(sub, "reset_parameters", None)) and any(True for _ in sub.parameters(recurse=False)):
             sub.reset_parameters()  # type: ignore[operator]
+    _move_buffers(module, buffer_device)
+
+
+def _move_buffers(module: nn.Module, device: torch.device | None) -> None:
+    if device is None:
+        return
+    for sub in module.modules():
+        for name, buf in sub._buffers.items():
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
 
 
 def fsdp_units(module: nn.Module) -> list[nn.Module]:
