@@ -1,0 +1,165 @@
+"""``llmopt quantize``: a float model to a quantized checkpoint folder (GPTQ or compressed-tensors).
+
+    llmopt quantize SRC OUT [--method rtn|gptq] [--bits 4] [--group-size 128] [--asym] [--observer minmax]
+        [--act-order] [--damp 0.01] [--format compressed-tensors|gptq] [--data PATH] [--tokenizer byte|PATH]
+        [--calib-samples 128] [--seq-len 512] [--dtype fp16|bf16|fp32] [--device cpu|cuda]
+
+``SRC`` is a Hugging Face folder (Llama, Mistral, Qwen2; read without transformers) or a Lightning checkpoint
+(``.ckpt``) of :class:`~lightning_llmopt.CausalLMModule`, e.g. the end of a run with the
+:class:`~lightning_llmopt.callbacks.qat.QuantizationAwareTraining` callback (round to nearest then reproduces the
+grid QAT trained for). GPTQ calibrates on ``--calib-samples`` sequences of ``--seq-len`` tokens from ``--data``
+(default: the Python standard library, :class:`~lightning_llmopt.data.TextDataModule`'s default corpus) tokenized
+with ``--tokenizer`` (default: ``SRC``'s ``tokenizer.json`` if there is one, else bytes). The output loads back with
+:func:`lightning_llmopt.quantization.load_quantized` and in other tools (see docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_llmopt.models.config import LlamaConfig
+from lightning_llmopt.models.hf import from_hf
+from lightning_llmopt.models.llama import Llama
+from lightning_llmopt.quantization import QuantConfig, quantize_model, save_compressed_tensors, save_gptq
+
+__all__ = ["build_parser", "calibration_batches", "load_float_model", "main", "save_quantized"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FORMATS = ("compressed-tensors", "gptq")
+
+
+def load_float_model(src: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> Llama:
+    """A :class:`Llama` from a Hugging Face folder or a ``CausalLMModule`` Lightning checkpoint."""
+    path = Path(src)
+    if path.is_file() and path.suffix == ".ckpt":
+        # A Lightning checkpoint holds Python objects beside tensors (hyper-parameters, loop state): the user
+        # names the file, so it is trusted as Lightning itself trusts it.
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        values = ckpt.get("hyper_parameters", {}).get("model")
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} has no hyper_parameters['model'] (not a CausalLMModule checkpoint?)")
+        config = LlamaConfig.from_dict(values)
+        sd = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+        with torch.device("meta"):
+            model = Llama(config)
+        model.load_state_dict(sd, strict=True, assign=True)
+        if config.tie_embeddings:
+            assert model.output is not None and model.tok_embeddings is not None
+            model.output.weight = model.tok_embeddings.weight
+        model.reset_buffers("cpu")
+        return model.to(device=device, dtype=dtype)
+    return from_hf(path, dtype=dtype, device=device)
+
+
+def calibration_batches(
+    data: str | None,
+    tokenizer: str | None,
+    samples: int,
+    seq_len: int,
+    vocab_size: int,
+    batch_size: int = 8,
+    seed: int = 1234,
+) -> list[torch.Tensor]:
+    """``samples`` training chunks of ``seq_len`` tokens as ``(B, T)`` int64 batches (deterministic order)."""
+    from lightning_llmopt.data import TextDataModule
+
+    max_bytes = max(2_000_000, samples * seq_len * 8)
+    dm = TextDataModule(
+        data_path=data, tokenizer=tokenizer, seq_len=seq_len, batch_size=batch_size, max_bytes=max_bytes, seed=seed
+    )
+    if dm.vocab_size > vocab_size:
+        raise ValueError(
+            f"the tokenizer's vocabulary ({dm.vocab_size}) is larger than the model's ({vocab_size}); "
+            "pass --tokenizer with the model's tokenizer"
+        )
+    dm.setup("fit")
+    dataset = dm.train_dataset
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(dataset), generator=g)[:samples].tolist()
+    ids = torch.stack([dataset[i]["input_ids"] for i in order])  # (samples, T)
+    return list(ids.split(batch_size))
+
+
+def save_quantized(model: torch.nn.Module, out: str | Path, fmt: str, arch: str = "llama") -> Path:
+    if fmt == "gptq":
+        return save_gptq(model, out, arch=arch)
+    if fmt == "compressed-tensors":
+        return save_compressed_tensors(model, out, arch=arch)
+    raise ValueError(f"format ({fmt!r}) must be one of {FORMATS}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="llmopt quantize",
+        description="Quantize a model's linear layers (weight-only) and write a GPTQ or compressed-tensors checkpoint.",
+    )
+    p.add_argument("src", help="Hugging Face folder or CausalLMModule .ckpt")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--method", choices=("rtn", "gptq"), default="gptq")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=128, help="input columns per scale; 0: per output channel")
+    p.add_argument("--asym", action="store_true", help="asymmetric grid (zero point per group)")
+    p.add_argument("--observer", choices=("minmax", "mse", "percentile"), default="minmax")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening (fraction of the mean diagonal)")
+    p.add_argument("--format", choices=FORMATS, default="compressed-tensors")
+    p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama")
+    p.add_argument("--data", default=None, help="calibration text (file or folder); default: the standard library")
+    p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json (default: SRC's, else bytes)")
+    p.add_argument("--calib-samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="dtype of the model while quantizing (default: as loaded); the GPTQ format writes fp16 "
+        "scales and floats whatever this is",
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p
+
+
+def _tokenizer(args: argparse.Namespace) -> str | None:
+    if args.tokenizer is not None:
+        return None if args.tokenizer == "byte" else args.tokenizer
+    src = Path(args.src)
+    return str(src) if src.is_dir() and (src / "tokenizer.json").is_file() else None
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    """Entry point of ``llmopt quantize``; returns the output folder."""
+    args = build_parser().parse_args(argv)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    model = load_float_model(args.src, dtype, args.device).eval()
+    config = QuantConfig(
+        bits=args.bits,
+        group_size=args.group_size or None,
+        symmetric=not args.asym,
+        method=args.method,
+        observer=args.observer,
+        act_order=args.act_order,
+        damp=args.damp,
+        scale_dtype=torch.float16 if args.format == "gptq" else None,
+    )
+    calibration: Any = None
+    if args.method == "gptq":
+        calibration = calibration_batches(
+            args.data, _tokenizer(args), args.calib_samples, args.seq_len, model.config.vocab_size
+        )
+    report = quantize_model(model, config, calibration)
+    out = save_quantized(model, args.out, args.format, args.arch)
+    print(
+        f"quantized {len(report.layers)} linear layers ({args.method}, {next(iter(report.layers.values()), '-')}) "
+        f"in {report.seconds:.1f} s; wrote {args.format} checkpoint to {out}",
+        flush=True,
+    )
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""Triton weight-only quantized matmul ``y = x @ dequant(W)^T`` (int8 and int4 codes): kernels and launcher.
+
+Two kernels, chosen per shape by :mod:`~lightning_llmopt.kernels.quant_matmul_tune`:
+
+- ``_qmm_kernel`` (tensor cores): one program owns a ``BLOCK_M x BLOCK_N`` output tile and a slice of ``K``;
+  per ``BLOCK_K`` step it loads the code tile (int8 ``(BLOCK_N, BLOCK_K)`` bytes; int4 ``(BLOCK_N, BLOCK_K / 2)``
+  bytes, low nibble = even input column, high nibble = odd, :mod:`lightning_llmopt.quantization.packing`) and the
+  activations, and adds ``x @ (q - z)^T * scale`` to an fp32 accumulator. int4 nibble planes are not interleaved
+  back: the activations are loaded as their even and odd columns instead (``x`` is tiny) and the tile is two
+  ``tl.dot`` of ``BLOCK_K / 2``. Batch 1 runs a 16-row dot with 15 masked rows.
+- ``_qmv_kernel`` (batch 1, no tensor cores): one program owns ``BLOCK_N`` outputs and a slice of ``K``; codes are
+  dequantized to fp32, multiplied by ``x`` and accumulated element-wise in a 2-D fp32 tile that is reduced once at
+  the end, so there are no shared-memory operand shuffles and no reductions inside the loop.
+
+Codes become floats with exact bit tricks rather than integer-to-float conversions (a quarter of the ALU rate on
+Hopper): ``0x4B000000 | q`` is the fp32 ``2**23 + q``, and subtracting ``2**23 + z`` leaves ``q - z`` exactly; in
+bf16 the upper 16 bits of that small integer are its exact bf16 (the ``CENTER`` path). fp16 uses ``0x6400 | q`` =
+``1024 + q``; symmetric int4 in bf16 can also use two ``prmt`` and one ``fma.rn.bf16x2`` of inline PTX per four
+weights (``ASM``). Alternatively (``CENTER = False``) the offset codes ``0x4300 | q`` (bf16 ``128 + q``, 4-bit codes) or
+``1024 + q`` (fp16) enter the dot directly and ``(OFFSET + z) * sum(x)`` is subtracted per tile. The group scale
+multiplies the fp32 partial sum once per group (``BLOCK_K`` divides the group size), per-channel scales once after
+the loop. Split-K programs (``grid[1]``) add their partial sums into an fp32 buffer with atomics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
+
+ensure_interpreted_stdlib()  # before the kernels below are decorated
+
+_MODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_OFFSETS = {0: 0, 1: 1024, 2: 128}  # what _offset_codes adds to a code in each mode
+
+
+@triton.jit
+def _offset_codes(q, MODE: tl.constexpr):
+    """``OFFSET + q`` exactly in the dot dtype by OR-ing the code into a float's mantissa (no conversion):
+    fp16 ``0x6400 | q`` is ``1024 + q`` (q < 1024); bf16 ``0x4300 | q`` is ``128 + q`` (q < 128); fp32 ``q``."""
+    if MODE == 0:
+        return q.to(tl.float32)
+    elif MODE == 1:
+        return (q.to(tl.uint16) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    else:
+        return (q.to(tl.uint16) | 0x4300).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _centered_f32(q, z):
+    """``q - z`` in fp32, exactly: ``0x4B000000 | q`` is ``2**23 + q``; ``z`` int32, broadcastable."""
+    f = (q.to(tl.uint32) | 0x4B000000).to(tl.uint32).to(tl.float32, bitcast=True)
+    return f - (z + 8388608).to(tl.float32)
+
+
+@triton.jit
+def _centered(q, z, MODE: tl.constexpr):
+    """``q - z`` exactly in the dot dtype (bf16: the upper half of the exact fp32 small integer)."""
+    if MODE == 0:
+        return (q.to(tl.int32) - z).to(tl.float32)
+    elif MODE == 1:
+        return _offset_codes(q, 1) - (z + 1024).to(tl.float16)
+    else:
+        f = _centered_f32(q, z)
+        return (f.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _nibbles_bf16_asm(b, HIGH: tl.constexpr):
+    """Symmetric 4-bit codes to centered bf16 with inline PTX (GPU only): per 32-bit register of 4 code bytes,
+    ``prmt`` builds ``(0x43 << 8) | q`` pairs (bf16 ``128 + q``) and one ``fma.rn.bf16x2`` subtracts 136, i.e.
+    ``q - 8``: about 1.25 instructions per weight (Marlin's trick). ``HIGH`` takes the high nibbles."""
+    if HIGH:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, hi, one, off; mov.b32 hi, 0x43434343; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; "
+            "shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F; prmt.b32 $0, t, hi, 0x4140; prmt.b32 $1, t, hi, 0x4342; "
+            "fma.rn.bf16x2 $0, $0, one, off; fma.rn.bf16x2 $1, $1, one, off; }",
+            "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4,
+        )  # fmt: skip
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, hi, one, off; mov.b32 hi, 0x43434343; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; "
+        "and.b32 t, $2, 0x0F0F0F0F; prmt.b32 $0, t, hi, 0x4140; prmt.b32 $1, t, hi, 0x4342; "
+        "fma.rn.bf16x2 $0, $0, one, off; fma.rn.bf16x2 $1, $1, one, off; }",
+        "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _tile_part(
+    x_rows,
+    w_rows,
+    offs_m,
+    m_mask,
+    n_mask,
+    z,
+    k0,
+    K,
+    BITS: tl.constexpr,
+    MODE: tl.constexpr,
+    OFFSET: tl.constexpr,
+    CENTER: tl.constexpr,
+    ASM: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``x[:, tile] @ (q - z)[:, tile]^T`` in fp32 for one K tile; ``z`` int32 ``(BLOCK_N,)``."""
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BITS == 4:
+        offs_e = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even input columns of the tile
+        x_mask = m_mask[:, None] & (offs_e[None, :] < K)
+        x_even = tl.load(x_rows + offs_e[None, :], mask=x_mask, other=0.0)
+        x_odd = tl.load(x_rows + offs_e[None, :] + 1, mask=x_mask, other=0.0)
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < K // 2), other=0)
+        if ASM:
+            part = _dot(x_even, _nibbles_bf16_asm(b, False), part, IEEE)
+            part = _dot(x_odd, _nibbles_bf16_asm(b, True), part, IEEE)
+        elif CENTER:
+            part = _dot(x_even, _centered(b & 0xF, z[:, None], MODE), part, IEEE)
+            part = _dot(x_odd, _centered(b >> 4, z[:, None], MODE), part, IEEE)
+        else:
+            part = _dot(x_even, _offset_codes(b & 0xF, MODE), part, IEEE)
+            part = _dot(x_odd, _offset_codes(b >> 4, MODE), part, IEEE)
+            x_sum = tl.sum(x_even.to(tl.float32), axis=1) + tl.sum(x_odd.to(tl.float32), axis=1)
+            part -= x_sum[:, None] * (z + OFFSET).to(tl.float32)[None, :]
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        q = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0)
+        if CENTER or MODE == 2:  # 8-bit codes do not fit bf16's 7-bit mantissa: always centered in bf16
+            part = _dot(x, _centered(q, z[:, None], MODE), part, IEEE)
+        else:
+            part = _dot(x, _offset_codes(q, MODE), part, IEEE)
+            part -= tl.sum(x.to(tl.float32), axis=1)[:, None] * (z + OFFSET).to(tl.float32)[None, :]
+    return part
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["M"])
+def _qmm_kernel(
+    X, W, S, Z, Y,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, MODE: tl.constexpr,
+    OFFSET: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # fmt: on
+    pid_mn = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid_mn // num_n
+    pid_n = pid_mn % num_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = offs_n.to(tl.int64) * stride_sn
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.int32)  # symmetric zero point
+    if GROUP == 0:
+        if HAS_ZERO:
+            z = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.int32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if GROUP != 0:
+            g = k0 // GROUP
+            if HAS_ZERO:
+                z = tl.load(Z + s_rows + g, mask=n_mask, other=0).to(tl.int32)
+        part = _tile_part(x_rows, w_rows, offs_m, m_mask, n_mask, z, k0, K, BITS, MODE, OFFSET, CENTER, ASM, IEEE,
+                          BLOCK_M, BLOCK_N, BLOCK_K)
+        if GROUP == 0:
+            acc += part
+        else:
+            s = tl.load(S + s_rows + g, mask=n_mask, other=0.0).to(tl.float32)
+            acc += part * s[None, :]
+    if GROUP == 0:
+        acc = acc * tl.load(S + s_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(y_ptrs, acc, mask=mask)
+    else:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+# fmt: off
+@triton.jit
+def _qmv_kernel(
+    X, W, S, Z, Y,
+    N, K, K_SPLIT,
+    stride_wn, stride_sn,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # fmt: on
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = offs_n.to(tl.int64) * stride_sn
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.int32)
+    if GROUP == 0:
+        if HAS_ZERO:
+            z = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.int32)
+    if BITS == 4:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    else:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if GROUP != 0:
+            g = k0 // GROUP
+            if HAS_ZERO:
+                z = tl.load(Z + s_rows + g, mask=n_mask, other=0).to(tl.int32)
+        if BITS == 4:
+            offs_e = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            x_even = tl.load(X + offs_e, mask=offs_e < K, other=0.0).to(tl.float32)
+            x_odd = tl.load(X + offs_e + 1, mask=offs_e < K, other=0.0).to(tl.float32)
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < K // 2), other=0)
+            t = _centered_f32(b & 0xF, z[:, None]) * x_even[None, :]
+            t += _centered_f32(b >> 4, z[:, None]) * x_odd[None, :]
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            q = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0)
+            t = _centered_f32(q, z[:, None]) * xk[None, :]
+        if GROUP == 0:
+            acc2 += t
+        else:
+            acc2 += t * tl.load(S + s_rows + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    acc = tl.sum(acc2, axis=1)
+    if GROUP == 0:
+        acc = acc * tl.load(S + s_rows, mask=n_mask, other=0.0).to(tl.float32)
+    if ATOMIC:
+        tl.atomic_add(Y + offs_n, acc, mask=n_mask)
+    else:
+        tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """A launch configuration.
+
+    Arguments:
+        kind: ``"mma"`` (tensor cores, any batch) or ``"gemv"`` (batch 1).
+        block_m, block_n, block_k: tile sizes (``block_m`` unused by ``"gemv"``); ``block_k`` divides the group.
+        split_k: programs sharing an output tile along ``K`` (fp32 atomics when > 1).
+        num_warps, num_stages: Triton launch options.
+        center: ``"mma"`` only: subtract zero points per weight (exact) instead of ``(OFFSET + z) * sum(x)`` per tile.
+        asm: ``"mma"`` only, GPU only, symmetric 4-bit codes with bf16 activations: inline-PTX dequantization.
+    """
+
+    kind: str = "mma"
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    center: bool = True
+    asm: bool = False
+
+
+def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group: int,
+           cfg: KernelConfig) -> Tensor:
+    """Run one configuration. ``x`` ``(M, K)``; ``w`` uint8 codes ``(N, K * bits / 8)``; ``scales``/``zeros``
+    ``(N, K / G)`` (``group`` = ``G``, 0 for per-channel). Returns ``(M, N)`` in ``x.dtype``."""
+    m, k = x.shape
+    n = w.shape[0]
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_split)
+    atomic = splits > 1
+    y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else x.new_empty((m, n))
+    z_arg = zeros if zeros is not None else scales
+    if cfg.asm and (bits != 4 or zeros is not None or x.dtype != torch.bfloat16 or x.device.type != "cuda"):
+        raise ValueError("the inline-PTX path takes symmetric 4-bit codes and bf16 activations on a GPU")
+    if cfg.kind == "gemv":
+        if m != 1:
+            raise ValueError(f"the gemv kernel takes one row, got M={m}")
+        # fmt: off
+        _qmv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+            x, w, scales, z_arg, y, n, k, k_split, w.stride(0), scales.stride(0),
+            BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        mode = _MODES[x.dtype]
+        _qmm_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)](
+            x, w, scales, z_arg, y, m, n, k, k_split, x.stride(0), w.stride(0), scales.stride(0), y.stride(0),
+            BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic, MODE=mode, OFFSET=_OFFSETS[mode],
+            CENTER=cfg.center, ASM=cfg.asm, IEEE=mode == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        # fmt: on
+    return y.to(x.dtype) if atomic else y
+
+
+def qmm_fwd(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, split_k: int | None = None,
+            config: KernelConfig | None = None) -> Tensor:
+    """``x @ dequant(W)^T`` through the kernels.
+
+    Arguments:
+        x: ``(M, K)`` fp16/bf16/fp32 with a contiguous last dim.
+        w: uint8 codes, ``(N, K)`` for 8 bits or ``(N, K / 2)`` for 4 bits, contiguous last dim.
+        scales: ``(N, K / G)``, contiguous; one column means per-channel.
+        zeros: uint8 like ``scales``, or ``None`` (symmetric).
+        split_k: force the tensor-core kernel with this split (tests); ``None``: chosen per shape.
+        config: force a full :class:`KernelConfig`.
+    """
+    from lightning_llmopt.kernels.quant_matmul_tune import choose_config
+
+    k = x.shape[1]
+    groups = scales.shape[1]
+    group = 0 if groups == 1 else k // groups
+    if config is None:
+        config = choose_config(x, w, scales, zeros, bits, group, split_k)
+    return launch(x, w, scales, zeros, bits, group, config)
+
+
+__all__ = ["KernelConfig", "launch", "qmm_fwd"]

@@ -1,0 +1,161 @@
+"""Configuration choice for the quantized matmul kernels (:mod:`~lightning_llmopt.kernels.quant_matmul_fwd`).
+
+On a GPU every candidate of a shape is timed once per (device, M bucket, N, K, bits, group, zero points, dtype)
+and the fastest is cached; a candidate whose output differs from an fp32 dequantize-and-multiply of the same inputs
+by more than 2% (relative Frobenius norm; bf16 rounding is ~0.3%) is never chosen. Timing captures a CUDA graph of
+``reps`` launches each preceded by an L2 flush (a 64 MiB memset) and subtracts a graph of the flushes alone: that is
+the kernel's own GPU time with cold caches, free of the Python dispatch that dominates eager timing of microsecond
+kernels (and would otherwise decide the ranking). Inside a CUDA-graph capture nothing can be timed, so an untuned
+shape takes its first candidate. Under the Triton interpreter fixed small tiles are used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
+
+# (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, center); BLOCK_K is clipped to the group size.
+_GEMV = [
+    ("gemv", 1, 16, 256, 1, 4, 3, True),
+    ("gemv", 1, 32, 256, 1, 4, 3, True),
+    ("gemv", 1, 32, 128, 2, 4, 4, True),
+    ("gemv", 1, 64, 128, 2, 4, 3, True),
+    ("gemv", 1, 16, 512, 2, 4, 3, True),
+    ("gemv", 1, 64, 256, 4, 8, 3, True),
+]
+_DECODE = [
+    ("mma", 16, 64, 128, 1, 4, 4, True),
+    ("mma", 16, 32, 128, 1, 4, 4, True),
+    ("mma", 16, 64, 128, 4, 4, 3, True),
+    ("mma", 16, 128, 128, 2, 4, 4, True),
+    ("mma", 16, 128, 128, 4, 8, 3, True),
+    ("mma", 16, 64, 256, 2, 4, 3, True),
+    ("mma", 16, 64, 128, 4, 4, 3, False),
+]
+_MID = [
+    ("mma", 32, 64, 128, 1, 4, 4, True),
+    ("mma", 32, 128, 64, 2, 4, 4, True),
+    ("mma", 64, 64, 64, 1, 4, 4, True),
+    ("mma", 64, 128, 64, 1, 4, 3, True),
+]
+_LARGE = [
+    ("mma", 64, 128, 64, 1, 4, 4, True),
+    ("mma", 128, 128, 64, 1, 8, 3, True),
+    ("mma", 128, 64, 64, 1, 4, 4, True),
+    ("mma", 64, 64, 128, 1, 4, 3, True),
+]
+
+TUNED: dict[tuple, KernelConfig] = {}
+TIMINGS: dict[tuple, dict[KernelConfig, float]] = {}  # autotuning measurements (ms), for benchmark reports
+_FLUSH: dict[torch.device, Tensor] = {}
+
+
+def candidate_configs(m: int, k: int, group: int, asm: bool = False) -> list[KernelConfig]:
+    """Configurations tried for an ``m``-row call (``BLOCK_K`` clipped to the group, duplicates removed); ``asm``
+    adds inline-PTX variants of the tensor-core candidates (symmetric int4, bf16, GPU)."""
+    base = (_GEMV + _DECODE) if m == 1 else _DECODE if m <= 16 else _MID if m <= 64 else _LARGE
+    out: list[KernelConfig] = []
+    for kind, bm, bn, bk, split, warps, stages, center in base:
+        bk = min(bk, group) if group else bk
+        cfg = KernelConfig(kind, bm, bn, bk, max(1, min(split, k // bk)), warps, stages, center)
+        variants = [cfg] + ([replace(cfg, asm=True)] if asm and kind == "mma" and center else [])
+        out.extend(c for c in variants if c not in out)
+    return out
+
+
+def _reference(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int) -> Tensor:
+    """fp32 ``x @ dequant(W)^T`` from the kernel's byte view of the codes (the autotuner's correctness guard)."""
+    codes = torch.stack((w & 0xF, w >> 4), dim=-1).reshape(w.shape[0], -1) if bits == 4 else w
+    n, k = codes.shape[0], x.shape[1]
+    codes = codes[:, :k].float().reshape(n, scales.shape[1], -1)
+    zero = zeros.float() if zeros is not None else torch.full_like(scales, float(1 << (bits - 1)), dtype=torch.float32)
+    deq = ((codes - zero[..., None]) * scales.float()[..., None]).reshape(n, k)
+    return x.float() @ deq.t()
+
+
+def _gpu_ms(fn, device: torch.device, reps: int = 8) -> float:  # type: ignore[no-untyped-def]
+    """GPU time of one ``fn()`` with a cold L2 (see the module docstring)."""
+    flush = _FLUSH.get(device)
+    if flush is None:
+        flush = _FLUSH[device] = torch.empty(64 * 2**20, dtype=torch.int8, device=device)
+    fn()  # compile
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graphs = []
+    with torch.cuda.stream(stream):
+        for with_fn in (True, False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(reps):
+                    flush.zero_()
+                    if with_fn:
+                        fn()
+            graphs.append(graph)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    times = []
+    for graph in graphs:
+        graph.replay()  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        for _ in range(3):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        times.append(best)
+    return max(times[0] - times[1], 1e-6) / reps
+
+
+def _m_bucket(m: int) -> int:
+    return min(256, 1 << max(0, (m - 1).bit_length()))
+
+
+def choose_config(
+    x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group: int, split_k: int | None
+) -> KernelConfig:
+    """The configuration for this call (module docstring); ``split_k`` forces the first tensor-core candidate
+    with that split (tests)."""
+    m, k = x.shape
+    if x.device.type != "cuda":  # the interpreter: small fixed tiles, both kernels exercised
+        bk = min(32, group) if group else 32
+        bn = 16 if w.shape[0] <= 16 else 32
+        if m == 1 and split_k is None:
+            return KernelConfig("gemv", 1, bn, bk, 1, 4, 1)
+        return KernelConfig("mma", 16, bn, bk, split_k or 1, 4, 1)
+    if split_k is not None:
+        first = next(c for c in candidate_configs(m, k, group) if c.kind == "mma")
+        return KernelConfig(
+            "mma", first.block_m, first.block_n, first.block_k, split_k, first.num_warps, first.num_stages, True
+        )
+    key = (x.device.index, _m_bucket(m), w.shape[0], k, bits, group, zeros is not None, x.dtype)
+    if key in TUNED:
+        return TUNED[key]
+    asm = bits == 4 and zeros is None and x.dtype == torch.bfloat16
+    candidates = candidate_configs(m, k, group, asm)
+    if torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    ref = _reference(x, w, scales, zeros, bits)
+    best, best_ms = candidates[0], float("inf")
+    for cfg in candidates:
+        try:
+            out = launch(x, w, scales, zeros, bits, group, cfg).float()
+            if not bool(((out - ref).norm() <= 2e-2 * ref.norm()).item()):  # never pick a wrong configuration
+                TIMINGS.setdefault(key, {})[cfg] = float("nan")
+                continue
+            ms = _gpu_ms(lambda cfg=cfg: launch(x, w, scales, zeros, bits, group, cfg), x.device)
+        except Exception:  # a configuration the compiler or the device rejects is skipped
+            continue
+        TIMINGS.setdefault(key, {})[cfg] = ms
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    TUNED[key] = best
+    return best
+
+
+__all__ = ["TIMINGS", "TUNED", "candidate_configs", "choose_config"]

@@ -1,0 +1,207 @@
+"""Quantize the linear layers of a model in place: round to nearest or GPTQ, replacing each ``nn.Linear`` with a
+:class:`~lightning_llmopt.layers.quantized_linear.QuantizedLinear`.
+
+Works on any module tree (our :class:`~lightning_llmopt.models.Llama` or a transformers model): layers are found by
+type and named as in ``model.named_modules()``. GPTQ needs calibration batches and a ``forward(model, batch)``
+(default: ``model(batch)`` for a tensor of token ids, ``model(batch["input_ids"])`` for a dict).
+
+Sequential GPTQ groups the layers by transformer block (the module path up to ``layers.<i>``). For each block in
+order, hooks collect the Hessians of its layers while the calibration batches run through the model, whose earlier
+blocks are already quantized; a hook on the block stops the forward pass there. Layers outside any block form a
+last group. The cost is one partial forward pass per block over the calibration set.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_llmopt.layers.quantized_linear import QuantizedLinear
+from lightning_llmopt.quantization.config import QuantConfig
+from lightning_llmopt.quantization.gptq import HessianAccumulator, gptq_quantize
+
+_BLOCK = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
+class _StopForward(Exception):
+    """Raised by a hook once the layers being calibrated have seen their inputs."""
+
+
+@dataclass
+class QuantizationReport:
+    """What :func:`quantize_model` did: ``layers`` maps each quantized module name to its spec (``int4-g128-sym``),
+    ``gptq_loss`` holds GPTQ's per-layer objective, ``seconds`` the wall time."""
+
+    layers: dict[str, str] = field(default_factory=dict)
+    gptq_loss: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def default_forward(model: nn.Module, batch: Any) -> Any:
+    """``model(ids)`` where ``ids`` is the batch, its ``"input_ids"`` entry, or its first element."""
+    if isinstance(batch, Mapping):
+        return model(batch["input_ids"])
+    if isinstance(batch, (tuple, list)):
+        return model(batch[0])
+    return model(batch)
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule ``name`` (dotted path) of ``model``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def quantizable_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
+    """``{name: layer}`` of the ``nn.Linear`` modules ``config`` quantizes (not yet quantized ones only)."""
+    return {
+        name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and config.spec_for(name) is not None
+    }
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    if p is None:
+        b = next(model.buffers(), None)
+        return b.device if b is not None else torch.device("cpu")
+    return p.device
+
+
+def _replace_rtn(
+    model: nn.Module, name: str, linear: nn.Linear, config: QuantConfig, report: QuantizationReport
+) -> None:
+    spec = config.spec_for(name, linear.in_features)
+    assert spec is not None
+    spec.check_weight(tuple(linear.weight.shape))
+    q = QuantizedLinear.from_linear(linear, spec, config.observer_for(name), dtype=config.scale_dtype)
+    set_module(model, name, q)
+    report.layers[name] = spec.describe()
+
+
+@torch.no_grad()
+def _calibrate(
+    model: nn.Module, layers: dict[str, nn.Linear], batches: list[Any], forward: Callable, stop_at: nn.Module | None
+) -> dict[str, HessianAccumulator]:
+    """Run the batches, accumulating each layer's input Hessian; stop after ``stop_at`` ran (if given)."""
+    acc = {name: HessianAccumulator(m.in_features, m.weight.device) for name, m in layers.items()}
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=name: acc[n].add(args[0])) for name, m in layers.items()]
+    if stop_at is not None:
+
+        def stop(*_: Any) -> None:
+            raise _StopForward
+
+        handles.append(stop_at.register_forward_hook(stop))
+    device = _model_device(model)
+    try:
+        for batch in batches:
+            try:
+                forward(model, _to(batch, device))
+            except _StopForward:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    return acc
+
+
+def _gptq_groups(model: nn.Module, layers: dict[str, nn.Linear], sequential: bool) -> list[tuple[str | None, list]]:
+    if not sequential:
+        return [(None, list(layers))]
+    groups: dict[str | None, list[str]] = {}
+    for name in layers:  # named_modules order: blocks in execution order
+        match = _BLOCK.match(name)
+        groups.setdefault(match.group(1) if match else None, []).append(name)
+    tail = groups.pop(None, [])
+    return [*groups.items(), *([(None, tail)] if tail else [])]
+
+
+def _quantize_gptq(
+    model: nn.Module,
+    layers: dict[str, nn.Linear],
+    config: QuantConfig,
+    batches: list[Any],
+    forward: Callable,
+    report: QuantizationReport,
+) -> None:
+    for block, names in _gptq_groups(model, layers, config.sequential):
+        stop_at = model.get_submodule(block) if block is not None else None
+        group = {n: layers[n] for n in names}
+        hessians = _calibrate(model, group, batches, forward, stop_at)
+        for name, linear in group.items():
+            spec = config.spec_for(name, linear.in_features)
+            assert spec is not None
+            spec.check_weight(tuple(linear.weight.shape))
+            if hessians[name].n == 0:
+                raise RuntimeError(f"GPTQ: layer {name!r} saw no calibration input (is it used in forward?)")
+            dtype = config.scale_dtype or linear.weight.dtype
+            result = gptq_quantize(
+                linear.weight,
+                hessians[name].H,
+                spec,
+                config.observer_for(name),
+                config.block_size,
+                config.damp,
+                config.act_order,
+                scale_dtype=dtype,
+            )
+            del hessians[name]
+            set_module(model, name, QuantizedLinear.from_quantized(result.weight, linear.bias, dtype))
+            report.layers[name] = spec.describe()
+            report.gptq_loss[name] = result.loss
+
+
+def quantize_model(
+    model: nn.Module,
+    config: QuantConfig | None = None,
+    calibration: Iterable[Any] | None = None,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+) -> QuantizationReport:
+    """Quantize ``model``'s linear layers in place (see the module docstring).
+
+    Arguments:
+        model: any ``nn.Module``; its ``nn.Linear`` layers selected by ``config`` become ``QuantizedLinear``.
+        config: a :class:`QuantConfig` (default: int4, group 128, symmetric, round to nearest, head skipped).
+        calibration: batches for GPTQ (token ids ``(B, T)``, or dicts with ``"input_ids"``); iterated once per
+            transformer block.
+        forward: ``forward(model, batch)``; default :func:`default_forward`.
+
+    Returns a :class:`QuantizationReport`.
+    """
+    config = config or QuantConfig()
+    start = time.perf_counter()
+    report = QuantizationReport()
+    layers = quantizable_linears(model, config)
+    was_training = model.training
+    model.eval()
+    try:
+        if config.method == "rtn":
+            for name, linear in layers.items():
+                _replace_rtn(model, name, linear, config, report)
+        else:
+            if calibration is None:
+                raise ValueError("method 'gptq' needs calibration batches")
+            _quantize_gptq(model, layers, config, list(calibration), forward or default_forward, report)
+    finally:
+        model.train(was_training)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+__all__ = ["QuantizationReport", "default_forward", "quantizable_linears", "quantize_model", "set_module"]

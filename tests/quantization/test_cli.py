@@ -1,0 +1,85 @@
+"""``llmopt quantize`` and ``llmopt export``: a float checkpoint (HF folder or Lightning .ckpt) to GPTQ and
+compressed-tensors folders that load back into our model with the codes unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lightning_llmopt.cli import export as export_cli
+from lightning_llmopt.cli import quantize as quantize_cli
+from lightning_llmopt.layers.quantized_linear import QuantizedLinear
+from lightning_llmopt.models import Llama, LlamaConfig, to_hf
+from lightning_llmopt.quantization import QuantConfig, load_quantized, quantize_model
+
+
+def _model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(LlamaConfig.from_preset("tiny", ffn_hidden_dim=128, init_std=0.05)).eval()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_quantize_gptq_then_export(tmp_path: Path) -> None:
+    model = _model()
+    src = to_hf(model, tmp_path / "hf")
+    text = tmp_path / "calib.txt"
+    text.write_text("def f(x):\n    return x * 2\n" * 400)
+    out = quantize_cli.main(
+        [
+            str(src),
+            str(tmp_path / "gptq"),
+            "--method",
+            "gptq",
+            "--bits",
+            "4",
+            "--group-size",
+            "32",
+            "--format",
+            "gptq",
+            "--data",
+            str(text),
+            "--tokenizer",
+            "byte",
+            "--calib-samples",
+            "8",
+            "--seq-len",
+            "32",
+            "--device",
+            "cpu",
+        ]
+    )
+    q = load_quantized(out, dtype=torch.float32)
+    assert isinstance(q.layers["1"].feed_forward.w1, QuantizedLinear) and q.layers["1"].feed_forward.w1.bits == 4
+    rtn = _model()
+    quantize_model(rtn, QuantConfig(bits=4, group_size=32))
+    tokens = torch.tensor([list(b"def g(y):\n    return y * 3\n")])  # text like the calibration data
+    with torch.no_grad():
+        ref, got, baseline = model(tokens), q(tokens), rtn(tokens)
+    assert _rel_err(got, ref) < _rel_err(baseline, ref)  # GPTQ calibrated on such text beats round to nearest
+    ct = export_cli.main([str(out), str(tmp_path / "ct"), "--format", "compressed-tensors"])
+    again = load_quantized(ct)
+    assert torch.equal(again.layers["0"].attention.wv.qweight, q.layers["0"].attention.wv.qweight)
+
+
+def test_quantize_lightning_checkpoint_with_rtn(tmp_path: Path) -> None:
+    model = _model()
+    ckpt = tmp_path / "last.ckpt"  # the keys of a CausalLMModule checkpoint
+    torch.save(
+        {
+            "hyper_parameters": {"model": model.config.to_dict()},
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        },
+        ckpt,
+    )
+    out = quantize_cli.main(
+        [str(ckpt), str(tmp_path / "ct"), "--method", "rtn", "--bits", "8", "--group-size", "0", "--device", "cpu"]
+    )
+    q = load_quantized(out)
+    assert q.layers["0"].attention.wq.group_size == 64  # per channel: one group spanning the 64 inputs
+    tokens = torch.randint(0, 320, (2, 16))
+    with torch.no_grad():
+        assert _rel_err(q(tokens), model(tokens)) < 0.01
