@@ -1,0 +1,109 @@
+"""RMSNorm: the public function, its autograd function and its ``torch.library`` custom ops.
+
+- Triton kernels and launchers: :mod:`~lightning_llmopt.kernels.rmsnorm_triton` (imported on first use);
+- custom ops ``lightning_llmopt::rms_norm_fwd`` / ``::rms_norm_bwd`` with fake implementations, so
+  ``torch.compile`` traces them;
+- :class:`RMSNormFunction` (``torch.autograd.Function``) over the two ops; it saves ``x`` and the fp32 ``1/rms`` of
+  each row (4 bytes a row) instead of the fp32 intermediates eager PyTorch keeps;
+- :func:`rms_norm`, which picks the kernels or :func:`~lightning_llmopt.kernels.fused_ref.rms_norm_ref`
+  (backend switch: :mod:`~lightning_llmopt.kernels.fused_common`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_llmopt.kernels.fused_common import KERNEL_DTYPES, resolve_backend
+from lightning_llmopt.kernels.fused_ref import rms_norm_ref
+
+__all__ = ["RMSNormFunction", "rms_norm"]
+
+
+@torch.library.custom_op("lightning_llmopt::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``x`` ``(N, D)`` -> ``(y, rstd)``: ``y`` ``(N, D)`` in ``out_dtype``, ``rstd`` ``(N,)`` fp32."""
+    from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_fwd_launch
+
+    return rms_norm_fwd_launch(x, weight, eps, out_dtype)
+
+
+@rms_norm_fwd.register_fake
+def _(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("lightning_llmopt::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dx, dweight)``."""
+    from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_bwd_launch
+
+    return rms_norm_bwd_launch(dy, x, weight, rstd)
+
+
+@rms_norm_bwd.register_fake
+def _(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd over the two custom ops; ``x`` is ``(N, D)`` with a contiguous last dim.
+
+    Eager calls go to the launchers directly (the custom-op dispatch costs tens of microseconds a call, as much as
+    a small kernel takes); under ``torch.compile`` the ops are traced.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:  # type: ignore
+        if torch.compiler.is_compiling():
+            y, rstd = torch.ops.lightning_llmopt.rms_norm_fwd(x, weight, eps, out_dtype)
+        else:
+            from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_fwd_launch
+
+            y, rstd = rms_norm_fwd_launch(x, weight, eps, out_dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        if torch.compiler.is_compiling():
+            dx, dw = torch.ops.lightning_llmopt.rms_norm_bwd(dy, x, weight, rstd)
+        else:
+            from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_bwd_launch
+
+            dx, dw = rms_norm_bwd_launch(dy, x, weight, rstd)
+        return dx, dw, None, None
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float = 1e-5, *, out_dtype: torch.dtype | None = None, backend: str | None = None
+) -> Tensor:
+    """Root-mean-square norm ``round_to(x.dtype)(x / sqrt(mean(x^2) + eps)) * weight`` over the last dim.
+
+    Shapes: ``x`` ``(..., D)`` (any strides), ``weight`` ``(D,)``; returns ``(..., D)`` in ``out_dtype``, default
+    the promotion of x's and weight's dtypes (what Llama's and Hugging Face's ``normed.to(x.dtype) * weight`` gives).
+    A narrower ``out_dtype`` (e.g. bf16 from an fp32 residual stream under autocast) saves the cast the next matmul
+    would do. Statistics in fp32. fp16/bf16/fp32 in the kernels; other dtypes (fp64) take the reference.
+
+    Arguments:
+        eps: added to the mean square.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (default ``$LLMOPT_FUSED_BACKEND`` or ``"auto"``).
+    """
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} must be ({d},), the last dim of x {tuple(x.shape)}")
+    out_dtype = out_dtype or torch.promote_types(x.dtype, weight.dtype)
+    if (
+        resolve_backend(backend, x.device, "rms_norm") == "reference"
+        or x.dtype not in KERNEL_DTYPES
+        or weight.dtype not in KERNEL_DTYPES
+        or out_dtype not in KERNEL_DTYPES
+    ):
+        return rms_norm_ref(x, weight, eps, out_dtype=out_dtype)
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return RMSNormFunction.apply(x2, w, float(eps), out_dtype).view(*x.shape[:-1], d)

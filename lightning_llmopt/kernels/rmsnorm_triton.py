@@ -1,0 +1,148 @@
+"""Triton RMSNorm (Zhang & Sennrich, arXiv 1910.07467) forward and backward kernels and their launchers.
+
+Forward, ``ROWS`` rows per program, each row read once:
+
+1. ``r = 1 / sqrt(mean(x^2) + eps)`` in fp32;
+2. ``y = round_to_x_dtype(x * r) * w``, stored in the output dtype (which may be narrower than x's: under autocast the
+   fp32 residual stream is normalized straight into the bf16 input of the next matmul); ``r`` is saved, 4 bytes a row.
+
+Backward, a persistent grid of programs that each own a contiguous range of rows:
+
+1. with ``xn = x r`` and ``g = dy * w``: ``dx = r (g - xn * mean(g * xn))``;
+2. ``dw`` partial sums ``sum(dy * round(xn))`` over the program's rows stay in registers and are written once per
+   program; the host sums the ``(programs, D)`` partials (no atomics, deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
+from lightning_llmopt.kernels.fused_common import next_pow2, use_interpreter
+
+ensure_interpreted_stdlib()  # before the kernels below are decorated
+
+
+@triton.jit
+def _rms_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_rows, D, eps, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < n_rows
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    xn = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], (xn * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _rms_bwd_kernel(
+    DY,
+    X,
+    W,
+    RSTD,
+    DX,
+    DW_PART,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_rows,
+    D,
+    rows_per_prog,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, n_rows)
+    for r0 in range(row_start, row_end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        rmask = rows < row_end
+        mask = rmask[:, None] & cmask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xn = x * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * xn, axis=1) / D
+        dx = rstd[:, None] * (g - xn * c[:, None])
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xn.to(X.dtype.element_ty).to(tl.float32), axis=0)
+    tl.store(DW_PART + pid.to(tl.int64) * D + cols, dw, mask=cmask)
+
+
+def _configs(block_d: int) -> list[triton.Config]:
+    """A short list: rows per program x warps (about 8-16 elements a thread), capped at 16k elements a program."""
+    warps = max(1, min(16, block_d // 256))
+    pairs = [(1, warps), (1, max(1, warps // 2)), (2, warps), (4, min(16, 2 * warps))]
+    out = [triton.Config({"ROWS": r}, num_warps=w) for r, w in dict.fromkeys(pairs) if r * block_d <= 16384]
+    return out or [triton.Config({"ROWS": 1}, num_warps=warps)]
+
+
+_tuned: dict[tuple[str, int], object] = {}
+
+
+def _tuned_kernel(which: str, block_d: int):  # type: ignore[no-untyped-def]
+    key = (which, block_d)
+    if key not in _tuned:
+        kernel = _rms_fwd_kernel if which == "fwd" else _rms_bwd_kernel
+        _tuned[key] = triton.autotune(configs=_configs(block_d), key=["D"])(kernel)
+    return _tuned[key]
+
+
+def rms_norm_fwd_launch(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``x`` ``(N, D)`` with a contiguous last dim -> ``y`` ``(N, D)`` in ``out_dtype`` and ``rstd`` ``(N,)`` fp32."""
+    n, d = x.shape
+    y = torch.empty((n, d), device=x.device, dtype=out_dtype)
+    rstd = torch.empty((n,), device=x.device, dtype=torch.float32)
+    if n == 0:
+        return y, rstd
+    block_d = max(16, next_pow2(d))
+    args = (x, weight, y, rstd, x.stride(0), y.stride(0), n, d, eps)
+    if use_interpreter(x):
+        _rms_fwd_kernel[(triton.cdiv(n, 2),)](*args, BLOCK_D=block_d, ROWS=2)
+    else:
+        _tuned_kernel("fwd", block_d)[lambda meta: (triton.cdiv(n, meta["ROWS"]),)](*args, BLOCK_D=block_d)
+    return y, rstd
+
+
+def _num_programs(x: Tensor, n: int) -> int:
+    if use_interpreter(x):
+        return min(n, 3)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return max(1, min(n, 4 * sms))
+
+
+def rms_norm_bwd_launch(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients ``dx`` (like ``x``) and ``dw`` (like ``weight``) from ``dy`` ``(N, D)``."""
+    n, d = x.shape
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if n == 0:
+        return dx, torch.zeros_like(weight)
+    block_d = max(16, next_pow2(d))
+    progs = _num_programs(x, n)
+    rows_per_prog = triton.cdiv(n, progs)
+    progs = triton.cdiv(n, rows_per_prog)
+    parts = torch.empty((progs, d), device=x.device, dtype=torch.float32)
+    args = (dy, x, weight, rstd, dx, parts, dy.stride(0), x.stride(0), dx.stride(0), n, d, rows_per_prog)
+    if use_interpreter(x):
+        _rms_bwd_kernel[(progs,)](*args, BLOCK_D=block_d, ROWS=2)
+    else:
+        _tuned_kernel("bwd", block_d)[(progs,)](*args, BLOCK_D=block_d)
+    return dx, parts.sum(0).to(weight.dtype)
+
+
+__all__ = ["rms_norm_bwd_launch", "rms_norm_fwd_launch"]

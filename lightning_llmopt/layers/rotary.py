@@ -1,0 +1,38 @@
+"""Rotary embedding applied in place to q and k (:func:`lightning_llmopt.kernels.rotary.apply_rotary_`)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from lightning_llmopt.kernels.rotary import apply_rotary_
+
+__all__ = ["FusedRotary"]
+
+
+class FusedRotary(nn.Module):
+    """Rotates q and k in place (one kernel launch each, nothing of their size saved for backward).
+
+    The hook :class:`~lightning_llmopt.models.llama.Attention` calls when set (``attention.rotary``); the default
+    there is the out-of-place fp32 :func:`~lightning_llmopt.models.rope.apply_rope`, which this reproduces.
+
+    Arguments:
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see :mod:`lightning_llmopt.kernels.fused_common`).
+
+    Shapes: ``q`` ``(B, H, T, D)``, ``k`` ``(B, H_kv, T, D)`` (the model's layout: views of ``(B, T, H, D)``
+    projections), ``table`` ``(max_seq_len, D/2, 2)`` fp32 (cos, sin) from
+    :func:`~lightning_llmopt.models.rope.rope_table`, ``positions`` ``(B, T)`` int64. Returns ``(q, k)``, the same
+    tensors, rotated.
+    """
+
+    def __init__(self, backend: str | None = None) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, q: Tensor, k: Tensor, table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = table[..., 0], table[..., 1]  # (P, D/2) strided views, no copy
+        q = apply_rotary_(q.transpose(1, 2), cos, sin, positions, backend=self.backend).transpose(1, 2)
+        k = apply_rotary_(k.transpose(1, 2), cos, sin, positions, backend=self.backend).transpose(1, 2)
+        return q, k
+
+    def extra_repr(self) -> str:
+        return f"in_place=True, backend={self.backend or 'auto'}"

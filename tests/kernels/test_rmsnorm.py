@@ -1,0 +1,128 @@
+"""RMSNorm kernel (Triton interpreter on CPU) against an fp64 reference, with derived tolerances.
+
+Rule (docs/fused_kernels.md): ``max|kernel - ref64| <= 2 * max|torch_same_dtype - ref64| + 4 * eps * max(|ref64|, 1)``
+for the output and every gradient; ``torch_same_dtype`` is the reference computing in the inputs' dtype
+(``upcast=False``). The floor covers outputs where PyTorch's own error is a handful of roundings or exactly 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_llmopt.kernels.fused_common import resolve_backend
+from lightning_llmopt.kernels.fused_ref import rms_norm_ref
+from lightning_llmopt.kernels.rmsnorm import rms_norm
+from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
+
+pytestmark = pytest.mark.skipif(
+    not triton_available() or not (torch.cuda.is_available() or triton_interpreter_enabled()),
+    reason="needs triton (and TRITON_INTERPRET=1 without CUDA)",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _derived_check(ours, same, ref, names):  # type: ignore[no-untyped-def]
+    for name, o, p, r in zip(names, ours, same, ref, strict=True):
+        assert o.shape == r.shape and not torch.isnan(o).any(), name
+        err = (o.double() - r).abs().max().item()
+        pt_err = (p.double() - r).abs().max().item()
+        floor = 4 * torch.finfo(o.dtype).eps * max(r.abs().max().item(), 1.0)
+        assert err <= 2 * pt_err + floor, f"{name}: kernel error {err:.3g} > 2 x PyTorch {pt_err:.3g} + {floor:.3g}"
+
+
+def _run(fn, inputs, grad_out, cast=None):  # type: ignore[no-untyped-def]
+    leaves = [(t if cast is None else t.to(cast)).detach().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out if cast is None else grad_out.to(cast))]
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, out_dtype",
+    [
+        ((1, 64), torch.float32, None),  # one row
+        ((17, 80), torch.float16, None),  # D not a power of two (padded to 128 lanes)
+        ((3, 7, 113), torch.float32, None),  # odd D, 3-D input
+        ((2, 5, 256), torch.float16, None),
+        ((9, 48), torch.float32, torch.float16),  # narrower output (the autocast path)
+    ],
+)
+def test_matches_float64_reference(shape, dtype, out_dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(DEVICE, dtype)
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(DEVICE, dtype)
+    dy = torch.randn(shape, generator=g).to(DEVICE, out_dtype or dtype)
+    ours = _run(lambda a, b: rms_norm(a, b, 1e-5, out_dtype=out_dtype, backend="triton"), [x, w], dy)
+    same = _run(lambda a, b: rms_norm_ref(a, b, 1e-5, out_dtype=out_dtype, upcast=False), [x, w], dy)
+    ref = _run(lambda a, b: rms_norm_ref(a, b, 1e-5), [x, w], dy, cast=torch.float64)
+    assert ours[0].dtype == (out_dtype or dtype) and ours[1].dtype == dtype and ours[2].dtype == dtype
+    _derived_check(ours, same, ref, ("out", "dx", "dw"))
+
+
+def test_strided_input_and_fp32_weight():
+    """A transposed (non-contiguous) input and an fp32 weight on fp16 activations (promotes to fp32, as PyTorch)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 5, 40, generator=g).to(DEVICE, torch.float16).transpose(0, 1)  # (5, 7, 40) view
+    w = (1 + 0.3 * torch.randn(40, generator=g)).to(DEVICE)
+    out = rms_norm(x, w, backend="triton")
+    assert out.dtype == torch.float32 and out.shape == (5, 7, 40)
+    torch.testing.assert_close(out, rms_norm_ref(x, w), atol=1e-6, rtol=1e-5)  # same fp32 math, other order
+
+
+def test_module_matches_model_rmsnorm_and_shares_weight():
+    from lightning_llmopt.layers.norms import FusedRMSNorm
+    from lightning_llmopt.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    ref = RMSNorm(48, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        ref.weight.normal_(1.0, 0.2)
+    fused = FusedRMSNorm.from_module(ref, backend="triton")
+    assert fused.weight is ref.weight and fused.eps == 1e-6 and fused.variance_epsilon == 1e-6
+    x = torch.randn(2, 9, 48, device=DEVICE, requires_grad=True)
+    torch.testing.assert_close(fused(x), ref(x), atol=1e-6, rtol=1e-5)
+    (gx, gw), (rx, rw) = (torch.autograd.grad(m(x).square().sum(), (x, ref.weight)) for m in (fused, ref))
+    torch.testing.assert_close(gx, rx, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gw, rw, atol=1e-5, rtol=1e-5)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):  # the output goes straight to the autocast dtype
+        assert FusedRMSNorm.from_module(ref, backend="reference")(x).dtype == torch.bfloat16
+        assert FusedRMSNorm.from_module(ref, cast_to_autocast=False, backend="reference")(x).dtype == torch.float32
+
+
+def test_backend_switch_and_errors(monkeypatch):
+    x, w = torch.randn(4, 16), torch.ones(16)
+    monkeypatch.setenv("LLMOPT_FUSED_BACKEND", "reference")
+    assert resolve_backend(None, x.device) == "reference"
+    assert torch.equal(rms_norm(x, w), rms_norm_ref(x, w))
+    monkeypatch.setenv("LLMOPT_FUSED_BACKEND", "cuda-graphs")
+    with pytest.raises(ValueError, match="'cuda-graphs'"):
+        rms_norm(x, w)
+    monkeypatch.delenv("LLMOPT_FUSED_BACKEND")
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    with pytest.raises(ValueError, match=r"weight shape \(8,\) must be \(16,\)"):
+        rms_norm(x, torch.ones(8))
+
+
+def test_custom_ops_fake_and_compile():
+    x = torch.randn(6, 32, device=DEVICE)
+    w = torch.rand(32, device=DEVICE) + 0.5
+    torch.library.opcheck(
+        torch.ops.lightning_llmopt.rms_norm_fwd.default,
+        (x, w, 1e-5, torch.float32),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    y, rstd = torch.ops.lightning_llmopt.rms_norm_fwd(x, w, 1e-5, torch.float32)
+    torch.library.opcheck(
+        torch.ops.lightning_llmopt.rms_norm_bwd.default,
+        (torch.randn_like(y), x, w, rstd),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+    def fn(a, b):  # type: ignore[no-untyped-def]
+        return rms_norm(a, b, backend="triton") * 2
+
+    dy = torch.randn(6, 32, device=DEVICE)
+    eager = _run(fn, [x, w], dy)
+    traced = _run(torch.compile(fn, backend="aot_eager", fullgraph=True), [x, w], dy)
+    for a, b in zip(traced, eager, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
