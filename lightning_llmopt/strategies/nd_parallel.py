@@ -1,0 +1,357 @@
+"""``NDParallelStrategy``: data (ZeRO), tensor (+ sequence) and context parallelism on one ``DeviceMesh`` in Lightning.
+
+A thin adapter over :mod:`lightning_llmopt.parallel` (``mesh``, ``parallelize``, ``context_parallel``,
+``data_parallel``), built on :class:`~lightning_llmopt.strategies.ZeroStrategy` for launching, precision, ZeRO-1/2
+and the sharded atomic checkpoints:
+
+- ``setup_environment``: resolve and validate the degrees (:class:`~lightning_llmopt.parallel.mesh.ParallelDims`,
+  before any collective), join the process group, build the mesh and expose it as ``LightningModule.device_mesh``;
+- ``configure_model`` runs on the meta device when tensor parallelism or ZeRO-3 is used;
+- ``setup``: unless the user's ``configure_model`` already parallelised the model (DTensor parameters or FSDP2
+  modules), apply TP -> CP -> activation checkpointing -> compile -> ZeRO-3 (:func:`~lightning_llmopt.parallel.
+  parallelize.parallelize`), then allocate and initialise the local shards;
+- each batch is sharded on the sequence for context parallelism (``batch_to_device``); the sampler splits data over
+  the ``dp`` ranks only; after backward, gradients are synchronised (:func:`~lightning_llmopt.parallel.parallelize.
+  sync_gradients`); clipping uses the global norm over all shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_llmopt.parallel.context_parallel import shard_batch
+from lightning_llmopt.parallel.data_parallel import clip_grad_norm_, local_tensor
+from lightning_llmopt.parallel.loss_scaler import DynamicLossScaler
+from lightning_llmopt.parallel.mesh import ParallelDims, positive_int
+from lightning_llmopt.parallel.parallelize import NDConfig, Parallelized, materialize, parallelize, sync_gradients
+from lightning_llmopt.parallel.zero import ZeroOptimizer
+from lightning_llmopt.strategies.zero import ZeroStrategy
+from lightning_llmopt.strategies.zero_precision import ZeroPrecision
+
+__all__ = ["NDParallelStrategy", "NDPrecision"]
+
+
+class NDPrecision(ZeroPrecision):
+    """:class:`ZeroPrecision` whose clipping works on any mix of DTensor shards (global norm, one all-reduce)."""
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        if isinstance(optimizer, ZeroOptimizer):
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
+        return None
+
+    @override
+    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        if isinstance(optimizer, ZeroOptimizer):
+            return super().clip_grad_by_value(optimizer, clip_val)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    local_tensor(p.grad).clamp_(-clip_val, clip_val)
+        return None
+
+
+def _user_parallelized(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters()) or any(
+        isinstance(m, FSDPModule) for m in module.modules()
+    )
+
+
+class NDParallelStrategy(ZeroStrategy):
+    """Data, tensor, sequence and context parallelism with ZeRO, composed on one named ``DeviceMesh``.
+
+    Arguments:
+        data_parallel: data-parallel degree, or ``"auto"``: the world size over the other degrees.
+        tensor_parallel: tensor-parallel degree (Megatron-style attention/MLP, vocab-parallel embedding and loss).
+        context_parallel: context-parallel degree (the sequence of each row is split over these ranks).
+        pipeline_parallel: reserved in the mesh; values > 1 arrive with pipeline parallelism.
+        expert_parallel: reserved in the mesh (borrowed from data parallel); values > 1 arrive with MoE.
+        zero_stage: 0 (gradients all-reduced over ``dp*cp``, optimizer state replicated), 1/2 (our ZeRO engine;
+            not with tensor parallelism), 3 (FSDP2 over ``dp*cp``, 2-D with tensor parallelism).
+        sequence_parallel: with TP, shard norms and residuals on the sequence.
+        loss_parallel: with TP, compute the loss from vocabulary-sharded logits (``CausalLMModule`` does it through
+            :func:`~lightning_llmopt.parallel.vocab_parallel.vocab_parallel_cross_entropy`; other modules call it).
+        context_parallel_mode: ``"ring"`` (load-balanced ring attention) or ``"ulysses"`` (all-to-all).
+        activation_checkpointing: ``"none"``, ``"full"``, ``"every_n"``, ``"sqrt"`` or ``"selective"``.
+        compile: ``torch.compile`` each transformer block.
+        ring_impl: ring-attention block kernels: ``"auto"``, ``"flash"`` or ``"reference"``.
+        offload_parameters, reshard_after_forward: FSDP2 options (stage 3).
+        **kwargs: :class:`ZeroStrategy` options (``bucket_size_mb``, ``reduce_dtype``, ``checkpoint_keep_last``,
+            ``offload_optimizer``, ``start_method``, ``cluster_environment``, ``process_group_backend``, ...).
+
+    ``LightningModule.device_mesh`` holds the mesh (dimensions ``pp, dp, cp, tp``, flattened ``dp_cp``) in
+    ``configure_model``; a ``configure_model`` that parallelises the model itself (DTensor or FSDP2 parameters)
+    overrides the strategy's plans.
+    """
+
+    strategy_name = "nd_parallel"
+
+    def __init__(
+        self,
+        data_parallel: int | str = "auto",
+        tensor_parallel: int = 1,
+        context_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        expert_parallel: int = 1,
+        zero_stage: int = 3,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        context_parallel_mode: str = "ring",
+        activation_checkpointing: str = "none",
+        compile: bool = False,
+        ring_impl: str = "auto",
+        offload_parameters: bool = False,
+        reshard_after_forward: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if data_parallel != "auto":
+            positive_int("data_parallel", data_parallel)
+        for name, value in (
+            ("tensor_parallel", tensor_parallel),
+            ("context_parallel", context_parallel),
+            ("pipeline_parallel", pipeline_parallel),
+            ("expert_parallel", expert_parallel),
+        ):
+            positive_int(name, value)
+            if name in ("pipeline_parallel", "expert_parallel") and value > 1:
+                raise NotImplementedError(
+                    f"{name} ({value}) > 1 is not available yet (pipeline parallelism: issue 5, "
+                    "experts: issue 6); the mesh reserves its dimension"
+                )
+        self._degrees: dict[str, Any] = {
+            "data_parallel": data_parallel,
+            "tensor_parallel": tensor_parallel,
+            "context_parallel": context_parallel,
+            "pipeline_parallel": pipeline_parallel,
+            "expert_parallel": expert_parallel,
+        }
+        self.nd_config = NDConfig(
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            context_parallel_mode=context_parallel_mode,
+            ring_impl=ring_impl,
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            zero_stage=zero_stage,
+            reshard_after_forward=reshard_after_forward,
+            offload_parameters=offload_parameters,
+        )
+        super().__init__(
+            stage=zero_stage if zero_stage else 3,
+            offload_parameters=offload_parameters,
+            reshard_after_forward=reshard_after_forward,
+            **kwargs,
+        )
+        self.stage = zero_stage
+        self.dims: ParallelDims | None = None
+        self._device_mesh: Any = None
+        self._parallel: Parallelized | None = None
+        self._sync_blocked = False
+
+    # ------------------------------------------------------------------ registration, precision, mesh
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "nd_parallel" not in strategy_registry:
+            strategy_registry.register(
+                "nd_parallel",
+                cls,
+                description="data x tensor x context parallelism with "
+                "ZeRO on one DeviceMesh (tensor_parallel, context_parallel, zero_stage, ...)",
+            )
+
+    @override
+    def _make_precision(self, precision: str) -> ZeroPrecision:
+        device = self.root_device.type if self.parallel_devices else ("cuda" if torch.cuda.is_available() else "cpu")
+        scaler = DynamicLossScaler(**self._scaler_kwargs) if precision == "16-mixed" else None  # type: ignore[arg-type]
+        return NDPrecision(precision, device=device, scaler=scaler)
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else self._make_precision("32-true")
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, NDPrecision):
+            scaler = plugin.scaler if isinstance(plugin, ZeroPrecision) else None
+            precision = str(getattr(plugin, "precision", "32-true"))
+            plugin = self._make_precision(precision)
+            if scaler is not None:
+                plugin.scaler = scaler  # type: ignore[attr-defined]
+        self._precision_plugin = plugin
+
+    @property
+    def device_mesh(self) -> Any:
+        """The named mesh (after ``setup_environment``)."""
+        return self._device_mesh
+
+    @override
+    def setup_environment(self) -> None:
+        self.set_world_ranks()  # what Lightning does first in setup_distributed; idempotent
+        self.dims = ParallelDims.resolve(self.world_size, **self._degrees)  # before any collective
+        super().setup_environment()
+        self._device_mesh = self.dims.build_mesh(self.root_device.type)
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data is split over the data-parallel ranks; tensor/context-parallel ranks of a dp group share batches."""
+        assert self.dims is not None
+        return {"num_replicas": self.dims.dp, "rank": self.dims.coordinates(self.global_rank)["dp"]}
+
+    # ------------------------------------------------------------------ setup
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if self._degrees["tensor_parallel"] > 1 or self.stage == 3:
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super(ZeroStrategy, self).tensor_init_context(empty_init):
+                yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None and self.dims is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if not _user_parallelized(module):
+            device = torch.device("cpu") if self.nd_config.offload_parameters else self.root_device
+            if not any(t.is_meta for t in module.parameters()):
+                module.to(self.root_device)
+            precision = str(getattr(self.precision_plugin, "precision", ""))
+            self.nd_config.param_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
+            self.nd_config.reduce_dtype = self.reduce_dtype
+            self._parallel = parallelize(module, self._device_mesh, self.dims, self.nd_config)
+            materialize(module, device, self._device_mesh, self.dims, self._parallel.fsdp, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if self.stage in (1, 2):
+                self._wrap_optimizers()
+        self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not any(t.is_meta for t in self.model.parameters()) and self._parallel is None:
+            self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is None or not any(t.is_meta for t in module.parameters()):
+            return super().teardown()
+        # setup failed before the model left the meta device (e.g. a validation error): there is nothing to move
+        # to the CPU, and trying would replace the original error with "Cannot copy out of meta tensor"
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
+        return None
+
+    # ------------------------------------------------------------------ per step
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self.shard_batch(batch)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's part of a dict batch under context parallelism (and the sequence check of SP)."""
+        assert self.dims is not None
+        sp = self.dims.tp > 1 and self.nd_config.sequence_parallel
+        if self._parallel is None or (self.dims.cp == 1 and not sp):
+            return batch
+        if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
+            raise TypeError(
+                "context/sequence parallelism needs dict batches with an 'input_ids' (B, T) tensor, got "
+                f"{type(batch).__name__}"
+            )
+        cp = self._parallel.context_parallel
+        if cp is None:  # sequence parallelism alone: the model shards inside; check the length here
+            T = batch["input_ids"].shape[1]
+            if T % self.dims.tp:
+                raise ValueError(
+                    f"sequence length ({T}) must be divisible by tensor_parallel ({self.dims.tp}) with "
+                    "sequence parallelism"
+                )
+            return batch
+        return shard_batch(batch, cp.spec, multiple_of=self.dims.tp if sp else 1)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        self._sync_blocked = True
+        try:
+            with super().block_backward_sync():
+                yield
+        finally:
+            self._sync_blocked = False
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._parallel is not None and not self._sync_blocked and self.lightning_module is not None:
+            assert self.dims is not None
+            sync_gradients(self.lightning_module, self._device_mesh, self.dims, self.nd_config, self._parallel.fsdp)
+
+    @override
+    def memory_bytes(self) -> dict[str, int]:
+        from lightning_llmopt.strategies import zero_fsdp
+
+        if self.stage in (1, 2):
+            return super().memory_bytes()
+        assert self.model is not None
+        return zero_fsdp.memory_bytes(self.model, list(self.optimizers))
+
+    # ------------------------------------------------------------------ checkpoints (layout-free DCP state)
+    @override
+    def _model_state(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        if self.stage in (1, 2):
+            return dict(self.lightning_module.state_dict())
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.lightning_module)
+
+    @override
+    def _apply_loaded(self, state: dict[str, Any]) -> None:
+        if self.stage in (1, 2):
+            return super()._apply_loaded(state)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        from lightning_llmopt.strategies.zero_checkpoint import from_bytes
+
+        module = self.lightning_module
+        assert module is not None
+        set_model_state_dict(module, state["model"])
+        if "optimizer" in state:
+            loaded = {
+                "state": state["optimizer"]["state"],
+                "param_groups": from_bytes(state["optimizer"]["param_groups"]),
+            }
+            set_optimizer_state_dict(module, self.optimizers[0], loaded)
+        if "loss_scaler" in state and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        return None
+
+
+NDParallelStrategy.register_strategies(StrategyRegistry)
