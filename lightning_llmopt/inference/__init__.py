@@ -1,1 +1,48 @@
-"""inference: see docs/architecture.md. Filled in by later issues."""
+"""Inference engine: paged KV cache, continuous batching, prefix caching, int8 KV, CUDA-graph decode.
+
+- :class:`LLMEngine` (``generate``, ``stream``, ``add_request``/``step``/``cancel``), built from a model in memory or
+  with :meth:`LLMEngine.from_pretrained` from our checkpoint folders, a Lightning ``.ckpt`` or a Hugging Face folder;
+- :class:`SamplingParams`: greedy, temperature, top-k, top-p, seed, max tokens, stop tokens, parallel samples;
+- :class:`EngineConfig`: block size, pool size, token budget, int8 KV, prefix caching, CUDA graphs, policy;
+- building blocks: :class:`BlockManager` / :class:`BlockAllocator` (reference counts, copy-on-write),
+  :class:`RadixCache` (prefix tree, LRU), :class:`Scheduler`, :class:`KVPool`, :class:`PagedKVCache` (the models'
+  KV-cache protocol over pages), :func:`calibrate_kv_scales`.
+
+See docs/inference.md. Importing this package imports no Triton and no transformers.
+"""
+
+from lightning_llmopt.inference.block_manager import NULL_BLOCK, BlockAllocator, BlockManager, OutOfBlocks
+from lightning_llmopt.inference.config import EngineConfig
+from lightning_llmopt.inference.engine import LLMEngine
+from lightning_llmopt.inference.kv_pool import KVPool, KVScales
+from lightning_llmopt.inference.loading import load_model
+from lightning_llmopt.inference.paged_cache import PagedKVCache
+from lightning_llmopt.inference.prefix_cache import RadixCache
+from lightning_llmopt.inference.quant import calibrate_kv_scales
+from lightning_llmopt.inference.request import Completion, CompletionOutput, RequestMetrics, StreamEvent
+from lightning_llmopt.inference.sampling import SamplingParams, sample
+from lightning_llmopt.inference.scheduler import Scheduler
+from lightning_llmopt.inference.stats import EngineStats
+
+__all__ = [
+    "NULL_BLOCK",
+    "BlockAllocator",
+    "BlockManager",
+    "Completion",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineStats",
+    "KVPool",
+    "KVScales",
+    "LLMEngine",
+    "OutOfBlocks",
+    "PagedKVCache",
+    "RadixCache",
+    "RequestMetrics",
+    "SamplingParams",
+    "Scheduler",
+    "StreamEvent",
+    "calibrate_kv_scales",
+    "load_model",
+    "sample",
+]

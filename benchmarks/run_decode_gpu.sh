@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 8 on one GPU: the gpu-marked inference/paged-attention tests, then each decode benchmark family in its own
+# process with its own time limit (a family that fails or runs out of time does not stop the others), then
+# docs/results.md. Records and one log are copied into $OUT when it is set, also after a failure.
+#   bash benchmarks/run_decode_gpu.sh [families...]   (default: tests kernel decode serve; also: hf-compile)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p benchmarks/results
+LOG="$(mktemp)"
+copy_out() {
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    cp benchmarks/results/decode-*.json "$OUT/" 2>/dev/null || true
+    cp "$LOG" "$OUT/decode.log" 2>/dev/null || true
+  fi
+}
+trap copy_out EXIT
+families=("$@")
+[ ${#families[@]} -eq 0 ] && families=(tests kernel decode serve)
+status=0
+step() {  # step SECONDS CMD...
+  local limit=$1; shift
+  echo "=== $* (limit ${limit}s)" | tee -a "$LOG"
+  local start=$SECONDS
+  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" || status=1
+  echo "=== done in $((SECONDS - start))s" | tee -a "$LOG"
+  copy_out  # after every step: a later step that runs out of time keeps what came before
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
+for f in "${families[@]}"; do
+  case "$f" in
+    tests) step 100 python3 -m pytest -q -p no:cacheprovider tests/inference/test_gpu.py tests/kernels/test_paged_attention.py ;;
+    kernel) step 40 python3 benchmarks/bench_decode.py --family kernel ;;
+    decode) step 60 python3 benchmarks/bench_decode.py --family decode ;;
+    serve) step 80 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
+    hf-compile) step 200 python3 benchmarks/bench_decode.py --family decode --hf-compile --compile-budget 150 ;;
+    *) echo "unknown family $f" | tee -a "$LOG"; status=1 ;;
+  esac
+done
+python3 benchmarks/render_results.py 2>&1 | tee -a "$LOG" || status=1
+exit "$status"

@@ -1,0 +1,75 @@
+"""Typed configuration of the inference engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineConfig"]
+
+KV_DTYPES = ("auto", "int8")
+BACKENDS = ("auto", "triton", "reference")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine lays out its KV cache and batches requests.
+
+    Arguments:
+        block_size: token slots per KV block (16, as vLLM: waste under one block per sequence).
+        num_blocks: physical KV blocks, the null block included; ``None`` sizes the pool from free GPU memory (CUDA)
+            or gives every one of ``max_num_seqs`` sequences room for ``max_model_len`` tokens, capped at 4096
+            blocks (CPU).
+        gpu_memory_fraction: share of the free GPU memory (after the model is loaded) the pool may take.
+        reserve_gib: GPU memory kept out of the pool for activations and CUDA graphs.
+        max_num_seqs: running sequences at most.
+        max_num_batched_tokens: tokens computed per step at most (prefill chunks are cut to fit).
+        max_model_len: longest sequence (prompt + output); default the model's ``max_seq_len``.
+        kv_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` (needs calibrated scales).
+        enable_prefix_caching: reuse cached prompt prefixes (radix tree with LRU eviction).
+        cuda_graphs: capture decode steps in CUDA graphs for ``graph_batch_sizes`` (CUDA only).
+        graph_batch_sizes: decode batch sizes captured; a batch is padded up to the next captured size.
+        attention_backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"reference"``.
+        fused_kernels: fused Triton norm/RoPE/SiLU kernels in the forward pass (default: on CUDA with Triton).
+        policy: ``"continuous"`` batching, or ``"static"`` (a new batch only once the last one finished).
+        seed: seeds the engine's generator (requests without their own seed draw from it).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_fraction: float = 0.9
+    reserve_gib: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    attention_backend: str = "auto"
+    fused_kernels: bool | None = None
+    policy: str = "continuous"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks ({self.num_blocks}) must be >= 2 (block 0 is reserved)")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len ({self.max_model_len}) must be >= 1")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction ({self.gpu_memory_fraction}) must be in (0, 1]")
+        if self.reserve_gib < 0:
+            raise ValueError(f"reserve_gib ({self.reserve_gib}) must be >= 0")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype ({self.kv_dtype!r}) must be one of {KV_DTYPES}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend ({self.attention_backend!r}) must be one of {BACKENDS}")
+        if self.policy not in ("continuous", "static"):
+            raise ValueError(f"policy ({self.policy!r}) must be 'continuous' or 'static'")
+        sizes = tuple(sorted(set(self.graph_batch_sizes)))
+        if any(s < 1 for s in sizes):
+            raise ValueError(f"graph_batch_sizes ({self.graph_batch_sizes}) must be positive")
+        self.graph_batch_sizes = sizes

@@ -1,0 +1,351 @@
+"""Fused elementwise Triton kernels of the engine's forward pass, and the fused forward that uses them.
+
+Decode is bound by memory bandwidth and, at batch 1, by the number of kernels: the reference model spends about 50
+small kernels per layer on norms, RoPE and activations. Here each layer runs 12-13 kernels: the matrix products
+(cuBLAS through the model's own ``nn.Linear``), the paged attention, and three fused kernels:
+
+- :func:`add_rms_norm`: ``r = x + delta`` (the residual add of the previous sub-layer) and RMSNorm of ``r``;
+- :func:`rope_store`: rotates q and k in place (RoPE) and writes k and v into their KV-cache slots (quantized for
+  an int8 cache);
+- :func:`silu_mul`: the SwiGLU gate ``silu(a) * b``.
+
+At batch 1 the matrix products are matrix-vector products, where cuBLAS does not always stream the weights at
+full bandwidth; :func:`gemv` is a Triton kernel for them (rows of the weight split over programs, fp32 partial sums
+over ``BLOCK_K`` columns, one reduction at the end), and :class:`LinearChooser` times it against ``F.linear`` once
+per weight shape and keeps the faster.
+
+Each reproduces the reference model's rounding: RMSNorm normalises in fp32, rounds to the activation dtype, then
+multiplies by the weight; RoPE rotates in fp32 then rounds; SiLU rounds before the product (as PyTorch's eager
+ops do). Importing this module imports Triton; the engine imports it only on CUDA (or in interpreter tests).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
+
+if TYPE_CHECKING:
+    from lightning_llmopt.inference.runner import ModelRunner, StepInputs
+
+ensure_interpreted_stdlib()
+
+__all__ = ["LinearChooser", "add_rms_norm", "fused_forward", "gemv", "rope_store", "silu_mul"]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    X,
+    DELTA,
+    W,
+    OUT,
+    RES,
+    stride_x,
+    stride_d,
+    stride_o,
+    stride_r,
+    n_cols,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(DELTA + row * stride_d + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(RES + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    normed = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: Tensor, weight: Tensor, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(rmsnorm(r) * weight, r)`` with ``r = x + delta`` (or ``x``); ``x``, ``delta`` ``(N, dim)``."""
+    N, dim = x.shape
+    out = torch.empty(N, dim, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res = torch.empty_like(x) if delta is not None else x
+    if N:
+        _add_rms_norm_kernel[(N,)](
+            x,
+            delta if delta is not None else x,
+            weight,
+            out,
+            res,
+            x.stride(0),
+            delta.stride(0) if delta is not None else 0,
+            out.stride(0),
+            res.stride(0),
+            dim,
+            eps,
+            HAS_DELTA=delta is not None,
+            BLOCK=_pow2(dim),
+            num_warps=8 if dim >= 2048 else 4,
+        )
+    return out, res
+
+
+@triton.jit
+def _rope_store_kernel(
+    Q,
+    K,
+    V,
+    POS,
+    ROPE,
+    BLOCKS,
+    SLOTS,
+    KC,
+    VC,
+    K_SCALE,
+    V_SCALE,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_rp,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    n_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    c = tl.arange(0, BLOCK_H)
+    mask = c < HALF
+    pos = tl.load(POS + n)
+    cos = tl.load(ROPE + pos * stride_rp + 2 * c, mask=mask, other=1.0)
+    sin = tl.load(ROPE + pos * stride_rp + 2 * c + 1, mask=mask, other=0.0)
+    if h < n_heads:
+        base = Q + n * stride_qn + h * stride_qh
+        x1 = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(base + c, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mask)
+        tl.store(base + HALF + c, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mask)
+    else:
+        j = h - n_heads
+        base = K + n * stride_kn + j * stride_kh
+        x1 = tl.load(base + c, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + c, mask=mask, other=0.0).to(tl.float32)
+        k1 = (x1 * cos - x2 * sin).to(K.dtype.element_ty)
+        k2 = (x2 * cos + x1 * sin).to(K.dtype.element_ty)
+        tl.store(base + c, k1, mask=mask)
+        tl.store(base + HALF + c, k2, mask=mask)
+        vbase = V + n * stride_vn + j * stride_vh
+        v1 = tl.load(vbase + c, mask=mask, other=0.0)
+        v2 = tl.load(vbase + HALF + c, mask=mask, other=0.0)
+        blk = tl.load(BLOCKS + n)
+        slot = tl.load(SLOTS + n)
+        dst = blk * stride_cb + j * stride_ch + slot * stride_cs
+        if QUANT:
+            ks = tl.load(K_SCALE + j)
+            vs = tl.load(V_SCALE + j)
+            # round half up (PyTorch rounds half to even: the two differ only on exact ties)
+            k1 = tl.minimum(tl.maximum(tl.floor(k1.to(tl.float32) / ks + 0.5), -127.0), 127.0)
+            k2 = tl.minimum(tl.maximum(tl.floor(k2.to(tl.float32) / ks + 0.5), -127.0), 127.0)
+            v1 = tl.minimum(tl.maximum(tl.floor(v1.to(tl.float32) / vs + 0.5), -127.0), 127.0)
+            v2 = tl.minimum(tl.maximum(tl.floor(v2.to(tl.float32) / vs + 0.5), -127.0), 127.0)
+        tl.store(KC + dst + c, k1.to(KC.dtype.element_ty), mask=mask)
+        tl.store(KC + dst + HALF + c, k2.to(KC.dtype.element_ty), mask=mask)
+        tl.store(VC + dst + c, v1.to(VC.dtype.element_ty), mask=mask)
+        tl.store(VC + dst + HALF + c, v2.to(VC.dtype.element_ty), mask=mask)
+
+
+def rope_store(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    rope: Tensor,
+    blocks: Tensor,
+    slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    """Rotate ``q`` ``(N, H, D)`` and ``k`` ``(N, H_kv, D)`` in place and store k/v at ``(blocks, slots)``.
+
+    ``rope`` is the model's ``(max_seq_len, D/2, 2)`` fp32 (cos, sin) table; caches are ``(num_blocks, H_kv,
+    block_size, D)`` (int8 with ``k_scale``/``v_scale`` ``(H_kv,)``).
+    """
+    N, H, D = q.shape
+    H_kv = k.shape[1]
+    if N == 0:
+        return
+    quant = k_cache.dtype == torch.int8
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous head dim")
+    _rope_store_kernel[(N, H + H_kv)](
+        q,
+        k,
+        v,
+        positions,
+        rope,
+        blocks,
+        slots,
+        k_cache,
+        v_cache,
+        k_scale if quant else rope,
+        v_scale if quant else rope,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        rope.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        H,
+        HALF=D // 2,
+        BLOCK_H=_pow2(D // 2),
+        QUANT=quant,
+        num_warps=1,
+    )
+
+
+@triton.jit
+def _silu_mul_kernel(A, B, OUT, n_elements, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0)
+    s = (a / (1.0 + tl.exp(-a))).to(B.dtype.element_ty)
+    tl.store(OUT + offs, (s.to(tl.float32) * b.to(tl.float32)).to(OUT.dtype.element_ty), mask=mask)
+
+
+def silu_mul(a: Tensor, b: Tensor) -> Tensor:
+    """``silu(a) * b`` of two contiguous tensors of one shape and dtype."""
+    out = torch.empty_like(b)
+    n = b.numel()
+    if n:
+        block = 1024
+        _silu_mul_kernel[(triton.cdiv(n, block),)](a, b, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _gemv_kernel(X, W, BIAS, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    w_base = W + rows.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        x = tl.load(X + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = tl.load(w_base + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(BIAS + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rmask)
+
+
+def _gemv_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_N": 8, "BLOCK_K": 512}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_N": 16, "BLOCK_K": 256}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_N": 4, "BLOCK_K": 1024}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=8, num_stages=3),
+    ]
+
+
+_tuned_gemv = None
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` for one row: ``x`` ``(1, K)``, ``weight`` ``(N, K)`` (contiguous rows) -> ``(1, N)``."""
+    global _tuned_gemv
+    N, K = weight.shape
+    if x.shape != (1, K) or weight.stride(1) != 1:
+        raise ValueError(f"gemv needs x (1, {K}) and a weight with contiguous rows, got {tuple(x.shape)}")
+    x = x.contiguous()
+    y = torch.empty(1, N, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    args = (x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0))
+    if x.device.type != "cuda":  # interpreter
+        _gemv_kernel[(triton.cdiv(N, 16),)](*args, HAS_BIAS=bias is not None, BLOCK_N=16, BLOCK_K=32)
+        return y
+    if _tuned_gemv is None:
+        _tuned_gemv = triton.autotune(configs=_gemv_configs(), key=["N", "K"])(_gemv_kernel)
+    _tuned_gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None)
+    return y
+
+
+class LinearChooser:
+    """``F.linear`` or :func:`gemv` for one-row inputs, whichever was faster for the weight's shape (timed once,
+    outside CUDA-graph capture; inputs of several rows always take ``F.linear``)."""
+
+    def __init__(self) -> None:
+        self.use_gemv: dict[tuple, bool] = {}
+        self.force: bool | None = None  # True/False: always/never the Triton GEMV (tests)
+
+    def __call__(self, x: Tensor, lin: Any) -> Tensor:
+        if x.shape[0] != 1 or x.device.type != "cuda":
+            return lin(x)
+        key = (tuple(lin.weight.shape), lin.weight.dtype)
+        use = self.use_gemv.get(key) if self.force is None else self.force
+        if use is None:
+            if torch.cuda.is_current_stream_capturing():
+                return lin(x)
+            use = self._decide(key, x, lin)
+        return gemv(x, lin.weight, lin.bias) if use else lin(x)
+
+    def _decide(self, key: tuple, x: Tensor, lin: Any) -> bool:
+        from triton.testing import do_bench
+
+        gemv(x, lin.weight, lin.bias)  # autotunes
+        t_gemv = do_bench(lambda: gemv(x, lin.weight, lin.bias), warmup=5, rep=25, return_mode="median")
+        t_blas = do_bench(lambda: lin(x), warmup=5, rep=25, return_mode="median")
+        self.use_gemv[key] = t_gemv < t_blas
+        return self.use_gemv[key]
+
+
+def fused_forward(runner: ModelRunner, inp: StepInputs, max_context: int | None = None) -> Tensor:
+    """Final-norm hidden states ``(S, dim)`` of the rows ``inp.logits_idx`` (the runner's forward, fused)."""
+    model = runner.model
+    assert model.tok_embeddings is not None and model.norm is not None
+    lin: Any = runner.linear
+    res = model.tok_embeddings(inp.input_ids)  # (N, dim)
+    delta: Tensor | None = None
+    pool = runner.pool
+    block: Any
+    for i, block in enumerate(model.layers.values()):
+        attn = block.attention
+        x, res = add_rms_norm(res, block.attention_norm.weight, block.attention_norm.eps, delta)
+        N, D = x.shape[0], attn.head_dim
+        q = lin(x, attn.wq).view(N, -1, D)  # (N, H, D)
+        k = lin(x, attn.wk).view(N, -1, D)  # (N, H_kv, D)
+        v = lin(x, attn.wv).view(N, -1, D)
+        kc, vc = pool.layer(i)
+        ks, vs = pool.layer_scales(i)
+        rope_store(q, k, v, inp.positions, model.rope, inp.blocks, inp.slots, kc, vc, ks, vs)
+        o = runner.attention(i, q, k, v, inp, max_context)
+        a = lin(o.reshape(N, -1), attn.wo)
+        x, res = add_rms_norm(res, block.ffn_norm.weight, block.ffn_norm.eps, a)
+        ff = block.feed_forward
+        delta = lin(silu_mul(lin(x, ff.w1), lin(x, ff.w3)), ff.w2)
+    idx = inp.logits_idx
+    out, _ = add_rms_norm(res[idx], model.norm.weight, model.norm.eps, delta[idx] if delta is not None else None)
+    return out

@@ -1,0 +1,419 @@
+"""``LLMEngine``: requests in, tokens out, over a paged KV cache with continuous batching and prefix caching.
+
+    engine = LLMEngine.from_pretrained("runs/ckpts")           # our checkpoint, a Lightning .ckpt or an HF folder
+    outs = engine.generate(["Hello"], SamplingParams(max_tokens=32))
+    for event in engine.stream(["Hello"], SamplingParams(max_tokens=32, temperature=0.8, seed=1)):
+        print(event.text, end="")
+
+One :meth:`LLMEngine.step` schedules (:mod:`~lightning_llmopt.inference.scheduler`), copies shared blocks that are
+about to be written, runs the paged forward pass (:mod:`~lightning_llmopt.inference.runner`; decode-only steps
+replay a CUDA graph on GPU), samples, and finishes sequences at a stop token or their length limit. Bad input
+raises ``ValueError`` in :meth:`add_request` / :meth:`generate` before anything is queued, so requests in flight
+are never disturbed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_llmopt.inference.block_manager import BlockManager
+from lightning_llmopt.inference.config import EngineConfig
+from lightning_llmopt.inference.kv_pool import KVPool, KVScales, block_bytes, blocks_from_free_memory
+from lightning_llmopt.inference.prefix_cache import RadixCache
+from lightning_llmopt.inference.quant import calibrate_kv_scales
+from lightning_llmopt.inference.request import Completion, CompletionOutput, Request, RequestMetrics, StreamEvent, now
+from lightning_llmopt.inference.request import Sequence as Seq
+from lightning_llmopt.inference.runner import ModelRunner
+from lightning_llmopt.inference.sampling import SamplingParams, sample
+from lightning_llmopt.inference.scheduler import Scheduler, Work
+from lightning_llmopt.inference.stats import EngineStats
+from lightning_llmopt.models.llama import Llama
+
+__all__ = ["LLMEngine"]
+
+Prompt = str | Sequence[int] | torch.Tensor
+
+
+class LLMEngine:
+    """Serve a :class:`~lightning_llmopt.models.llama.Llama` (see the module docstring).
+
+    Arguments:
+        model: the decoder, on the device and in the dtype to serve with (put in eval mode).
+        tokenizer: optional, with ``encode``/``decode``/``eos_id`` (needed for string prompts and text output).
+        config: an :class:`EngineConfig`; keyword ``overrides`` replace its fields.
+        kv_scales: calibrated :class:`KVScales` for ``kv_dtype="int8"`` (or call :meth:`calibrate_kv` later).
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        *,
+        kv_scales: KVScales | None = None,
+        **overrides: Any,
+    ) -> None:
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = EngineConfig(**{**config.__dict__, **overrides})
+        if not isinstance(model, Llama):
+            raise TypeError(f"LLMEngine serves a lightning_llmopt Llama, got {type(model).__name__}")
+        self.config = config
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        cfg = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+        assert cfg.n_kv_heads is not None and cfg.head_dim is not None
+        kv_dtype = torch.int8 if config.kv_dtype == "int8" else self.dtype
+        self.pool = KVPool(
+            cfg.n_layers,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            self._num_blocks(kv_dtype),
+            config.block_size,
+            kv_dtype,
+            self.device,
+        )
+        if kv_scales is not None:
+            self.pool.set_scales(kv_scales)
+        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
+        self.prefix_cache = (
+            RadixCache(self.blocks.allocator, config.block_size) if config.enable_prefix_caching else None
+        )
+        self.blocks.prefix_cache = self.prefix_cache
+        self.scheduler = Scheduler(
+            self.blocks,
+            self.prefix_cache,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.policy,
+            cfg.sliding_window,
+        )
+        self.runner = ModelRunner(model, self.pool, config.attention_backend, config.fused_kernels)
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            from lightning_llmopt.inference.cuda_graphs import DecodeGraphs
+
+            sizes = tuple(s for s in config.graph_batch_sizes if s <= config.max_num_seqs)
+            self.graphs = (
+                DecodeGraphs(self.runner, sizes, self.blocks.blocks_for(self.max_model_len), self.max_model_len)
+                if sizes
+                else None
+            )
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seq_ids = itertools.count()
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        tokenizer: Any = None,
+        trust_pickle: bool = False,
+        **engine_kwargs: Any,
+    ) -> LLMEngine:
+        """Load a model (our ``step-N`` checkpoint or its root, a Lightning ``.ckpt``, or a Hugging Face folder)."""
+        from lightning_llmopt.inference.loading import load_model
+
+        device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        model, found_tokenizer = load_model(path, dtype=dtype, device=device, trust_pickle=trust_pickle)
+        return cls(model, tokenizer if tokenizer is not None else found_tokenizer, **engine_kwargs)
+
+    def _num_blocks(self, kv_dtype: torch.dtype) -> int:
+        cfg, c = self.model.config, self.config
+        assert cfg.n_kv_heads is not None and cfg.head_dim is not None
+        useful = 4 * c.max_num_seqs * math.ceil(self.max_model_len / c.block_size) + 1
+        if c.num_blocks is not None:
+            return c.num_blocks
+        if self.device.type != "cuda":
+            return min(useful, 4096)
+        per = block_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, c.block_size, kv_dtype)
+        fitting = blocks_from_free_memory(self.device, per, c.gpu_memory_fraction, int(c.reserve_gib * 2**30))
+        return min(fitting, useful)
+
+    # ------------------------------------------------------------------ requests
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a string prompt needs a tokenizer; pass token ids or LLMEngine(..., tokenizer=...)")
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, torch.Tensor):
+            if prompt.ndim != 1 or prompt.is_floating_point():
+                raise ValueError(
+                    f"a tensor prompt must be 1-D integer token ids, got {prompt.dtype} {tuple(prompt.shape)}"
+                )
+            return [int(t) for t in prompt.tolist()]
+        tokens = list(prompt)
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+            raise ValueError("a prompt must be a string or a sequence of integer token ids")
+        return tokens
+
+    def _validate(self, prompt: Prompt, params: SamplingParams, truncate: bool) -> tuple[list[int], int]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        tokens = self._encode(prompt)
+        if not tokens:
+            raise ValueError("empty prompt: at least one token is needed")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        params.check_vocab(vocab)
+        limit = self.max_model_len
+        dropped = 0
+        if len(tokens) + params.max_tokens > limit:
+            keep = limit - params.max_tokens
+            if not truncate:
+                raise ValueError(
+                    f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                    f"max_model_len ({limit}); shorten it or pass truncate=True to keep its last "
+                    f"{max(keep, 0)} tokens"
+                )
+            if keep < 1:
+                raise ValueError(
+                    f"max_tokens ({params.max_tokens}) leaves no room for a prompt in max_model_len ({limit})"
+                )
+            dropped = len(tokens) - keep
+            tokens = tokens[-keep:]
+        need = self.blocks.blocks_for(len(tokens) + params.max_tokens)
+        if need > self.blocks.allocator.capacity:
+            raise ValueError(
+                f"this request needs {need} KV blocks but the pool holds {self.blocks.allocator.capacity}"
+                "; raise num_blocks or lower max_tokens"
+            )
+        self.pool.check_ready()
+        return tokens, dropped
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        truncate: bool = False,
+    ) -> str:
+        """Queue one prompt; returns its id. Raises ``ValueError`` (queueing nothing) for bad input."""
+        params = params if params is not None else SamplingParams()
+        tokens, dropped = self._validate(prompt, params, truncate)
+        return self._enqueue(tokens, params, request_id, dropped)
+
+    def _enqueue(self, tokens: list[int], params: SamplingParams, request_id: str | None, dropped: int) -> str:
+        arrival = next(self._arrivals)
+        rid = request_id if request_id is not None else f"req-{arrival}"
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, tokens, params, arrival, RequestMetrics(len(tokens), arrival_time=now()), truncated=dropped)
+        self._requests[rid] = req
+        seq = Seq(next(self._seq_ids), req, list(tokens), 0, self._generator(params, 0))
+        req.seqs.append(seq)
+        self.scheduler.add(seq)
+        return rid
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        if params.seed is None:
+            return self.generator
+        return torch.Generator(device=self.device).manual_seed(params.seed * 1_000_003 + index)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request; its blocks go back to the pool. Returns False if it is unknown or already finished."""
+        req = self._requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "cancelled")
+        req.cancelled = True
+        req.metrics.finish_time = now()
+        self.stats.cancelled += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[StreamEvent]:
+        """Run one scheduling + forward + sampling step; returns the new tokens of every sequence that got one."""
+        start = now()
+        sched = self.scheduler.schedule()
+        if not sched.work:
+            if self.scheduler.has_work() and not self.scheduler.running:
+                raise RuntimeError("the scheduler could not admit any request (KV pool too small?)")
+            return []
+        self.pool.copy_blocks(sched.copies)
+        work = ModelRunner.order(sched.work)
+        logits = self._forward(work)
+        self.scheduler.complete(sched)
+        events = self._sample(work, logits)
+        self.stats.steps += 1
+        self.stats.preemptions += len(sched.preempted)
+        self.stats.busy_s += now() - start
+        return events
+
+    def _forward(self, work: list[Work]) -> torch.Tensor:
+        if self.graphs is not None and all(w.num_tokens == 1 for w in work) and self.graphs.fits(len(work)):
+            return self.graphs.run(work)
+        return self.runner.forward(self.runner.prepare(work))
+
+    def _sample(self, work: list[Work], logits: torch.Tensor) -> list[StreamEvent]:
+        rows, seqs = [], []
+        for r, w in enumerate(w for w in work if w.samples):
+            seq = w.seq
+            req = seq.request
+            if req.params.n > 1 and seq.index == 0 and seq.num_output == 0 and len(req.seqs) == 1:
+                for i in range(1, req.params.n):  # parallel sampling: children share the prompt's blocks
+                    child = Seq(next(self._seq_ids), req, list(seq.tokens), i, self._generator(req.params, i))
+                    self.blocks.fork(seq, child)
+                    req.seqs.append(child)
+                    self.scheduler.add_running(child)
+                    rows.append(r)
+                    seqs.append(child)
+            rows.append(r)
+            seqs.append(seq)
+        if not seqs:
+            return []
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+        return [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+
+    def _append(self, seq: Seq, token: int) -> StreamEvent:
+        req, p = seq.request, seq.request.params
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now()
+        eos = getattr(self.tokenizer, "eos_id", None)
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
+            reason = "stop"
+        else:
+            seq.tokens.append(token)
+            if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            if req.finished:
+                req.metrics.finish_time = now()
+                self.stats.record(req.metrics, sum(s.num_output for s in req.seqs))
+        new = seq.output_tokens[seq.num_streamed :]
+        seq.num_streamed = seq.num_output
+        return StreamEvent(req.request_id, seq.index, new, self._decode(new), reason is not None, reason)
+
+    def _decode(self, tokens: list[int]) -> str | None:
+        """Text of ``tokens``; ids the tokenizer does not know (a model vocabulary padded past the tokenizer's) are
+        skipped, and a tokenizer error gives ``None`` rather than breaking the step for every other request."""
+        if self.tokenizer is None:
+            return None
+        size = getattr(self.tokenizer, "vocab_size", None)
+        known = [t for t in tokens if size is None or t < size]
+        try:
+            return str(self.tokenizer.decode(known))
+        except Exception:  # noqa: BLE001 - text is a convenience; token ids are the result
+            return None
+
+    # ------------------------------------------------------------------ batch API
+    def _prepare_batch(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        truncate: bool,
+    ) -> list[tuple[list[int], SamplingParams, int]]:
+        if isinstance(prompts, (str, torch.Tensor)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params or SamplingParams()] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        batch = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            try:
+                tokens, dropped = self._validate(prompt, p, truncate)
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"prompt {i}: {exc}") from None
+            batch.append((tokens, p, dropped))
+        return batch
+
+    def stream(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        truncate: bool = False,
+    ) -> Iterator[StreamEvent]:
+        """Yield :class:`StreamEvent` s of these prompts as tokens are produced (all prompts are validated first)."""
+        ids = [self._enqueue(t, p, None, d) for t, p, d in self._prepare_batch(prompts, params, truncate)]
+        mine = set(ids)
+        try:
+            while any(not self._requests[r].finished for r in mine):
+                if not self.scheduler.has_work():
+                    break
+                for event in self.step():
+                    if event.request_id in mine:
+                        yield event
+        finally:  # a consumer that stops early cancels what is left
+            for r in ids:
+                self.cancel(r)
+
+    def generate(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        truncate: bool = False,
+    ) -> list[Completion]:
+        """Complete every prompt; results in prompt order. All prompts are validated before any is queued."""
+        batch = self._prepare_batch(prompts, params, truncate)
+        ids = [self._enqueue(t, p, None, d) for t, p, d in batch]
+        while any(not self._requests[r].finished for r in ids) and self.scheduler.has_work():
+            self.step()
+        return [self.result(r) for r in ids]
+
+    def result(self, request_id: str) -> Completion:
+        """The completion of a request (pops it from the engine once finished)."""
+        req = self._requests[request_id]
+        outs = [
+            CompletionOutput(s.index, s.output_tokens, self._decode(s.output_tokens), s.finish_reason)
+            for s in sorted(req.seqs, key=lambda s: s.index)
+        ]
+        if req.finished:
+            del self._requests[request_id]
+        return Completion(req.request_id, req.prompt_token_ids, outs, req.metrics)
+
+    # ------------------------------------------------------------------ prefix pins, int8 calibration
+    def pin_prefix(self, prompt: Prompt) -> list[int]:
+        """Compute ``prompt`` into the prefix cache and pin it (never evicted); returns its tokens."""
+        if self.prefix_cache is None:
+            raise RuntimeError("pin_prefix needs enable_prefix_caching=True")
+        tokens = self._encode(prompt)
+        self.generate([tokens], SamplingParams(max_tokens=1, ignore_eos=True))
+        self.prefix_cache.pin(tokens)
+        return tokens
+
+    def unpin_prefix(self, tokens: Sequence[int]) -> None:
+        if self.prefix_cache is None:
+            raise RuntimeError("unpin_prefix needs enable_prefix_caching=True")
+        self.prefix_cache.unpin(list(tokens))
+
+    def calibrate_kv(self, prompts: Iterable[Prompt], margin: float = 1.0) -> KVScales:
+        """Calibrate (and install) the int8 KV scales from the keys/values the model produces on ``prompts``."""
+        scales = calibrate_kv_scales(self.model, [self._encode(p) for p in prompts], margin)
+        if self.pool.quantized:
+            self.pool.set_scales(scales)
+        return scales

@@ -1,0 +1,141 @@
+"""Loading a model to serve from any of the three checkpoint formats the project produces or reads.
+
+- our sharded DCP checkpoints (``root/step-N/`` with the ``COMPLETE`` marker whose ``config`` entry describes the
+  model, as :class:`~lightning_llmopt.strategies.ZeroStrategy` writes them; a root folder means its newest complete
+  checkpoint): only the model tensors are read, straight into the parameters;
+- a Lightning ``.ckpt`` of :class:`~lightning_llmopt.module.CausalLMModule` (``state_dict`` with ``model.`` keys,
+  the config under ``hyper_parameters["model"]``);
+- a Hugging Face folder (``config.json`` + safetensors) through :func:`~lightning_llmopt.models.hf.from_hf`, with
+  ``tokenizer.json`` picked up when present.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_llmopt.models.config import LlamaConfig
+from lightning_llmopt.models.llama import Llama
+
+__all__ = ["load_model", "model_from_state_dict"]
+
+
+def _strip(name: str) -> str:
+    name = name.replace("_orig_mod.", "")
+    return name.removeprefix("model.")
+
+
+def model_from_state_dict(
+    config: LlamaConfig, state: dict[str, Tensor], dtype: torch.dtype | None, device: torch.device | str
+) -> Llama:
+    """A :class:`Llama` built on the meta device whose parameters become ``state``'s tensors (cast/moved)."""
+    with torch.device("meta"):
+        model = Llama(config)
+    expected = set(model.state_dict())
+    sd = {}
+    for name, t in state.items():
+        key = _strip(name)
+        if key in expected:
+            sd[key] = t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+    if config.tie_embeddings:
+        sd.setdefault("output.weight", sd.get("tok_embeddings.weight"))  # type: ignore[arg-type]
+    missing = sorted(expected - set(sd))
+    if missing:
+        raise KeyError(f"checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[:5]}")
+    model.load_state_dict(sd, strict=True, assign=True)
+    if config.tie_embeddings:
+        assert model.output is not None and model.tok_embeddings is not None
+        model.output.weight = model.tok_embeddings.weight
+    model.reset_buffers(device)
+    return model
+
+
+def _load_dcp(path: Path, dtype: torch.dtype | None, device: torch.device | str) -> Llama:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_llmopt.cli.consolidate import (
+        _get,
+        _load,
+        _model_keys,
+        _nested,
+        config_from_checkpoint,
+        resolve_checkpoint,
+    )
+    from lightning_llmopt.models.hf_weights import key_map
+
+    folder, marker = resolve_checkpoint(path)
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    config = config_from_checkpoint(folder, metadata, marker)
+    if config is None:
+        raise ValueError(f"checkpoint {folder} stores no model config (no 'config' state entry or marker field)")
+    found = _model_keys(metadata, set(key_map(config)))
+    flat_of = {
+        tuple(str(p) for p in (metadata.planner_data or {}).get(k, (k,))): k for k in metadata.state_dict_metadata
+    }
+    entries = {}
+    for dcp_path in found.values():
+        meta: Any = metadata.state_dict_metadata[flat_of[dcp_path]]
+        entries[dcp_path] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    state = _nested(entries)
+    _load(state, folder)
+    return model_from_state_dict(config, {n: _get(state, p) for n, p in found.items()}, dtype, device)
+
+
+def _load_lightning(path: Path, dtype: torch.dtype | None, device: torch.device | str, trust_pickle: bool) -> Llama:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(
+            f"{path} holds objects a weights-only load refuses ({str(exc).splitlines()[0]}); if you "
+            "trust the file, pass trust_pickle=True"
+        ) from exc
+    hp = ckpt.get("hyper_parameters", {})
+    model_cfg = hp.get("model")
+    if isinstance(model_cfg, str):
+        config = LlamaConfig.from_preset(model_cfg, **(hp.get("model_overrides") or {}))
+    elif isinstance(model_cfg, dict):
+        config = LlamaConfig.from_dict(dict(model_cfg))
+    elif isinstance(model_cfg, LlamaConfig):
+        config = model_cfg
+    else:
+        raise ValueError(f"{path}: no model config under hyper_parameters['model'] (a CausalLMModule checkpoint?)")
+    if "state_dict" not in ckpt:
+        raise ValueError(f"{path}: no 'state_dict' (a sharded strategy's checkpoint? pass its folder instead)")
+    return model_from_state_dict(config, ckpt["state_dict"], dtype, device)
+
+
+def load_model(
+    source: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    trust_pickle: bool = False,
+) -> tuple[Llama, Any]:
+    """``(model, tokenizer or None)`` from a checkpoint path (formats in the module docstring).
+
+    Arguments:
+        dtype: cast floating-point weights (``None`` keeps the stored dtype).
+        device: where the parameters go.
+        trust_pickle: allow full unpickling of a Lightning ``.ckpt`` (weights-only loading is tried otherwise).
+    """
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    tokenizer = None
+    if path.is_file():
+        model = _load_lightning(path, dtype, device, trust_pickle)
+    elif (path / "config.json").is_file():
+        from lightning_llmopt.models.hf import from_hf
+
+        model = from_hf(path, dtype=dtype, device=device)
+        if (path / "tokenizer.json").is_file():
+            from lightning_llmopt.data.tokenizers import HFTokenizer
+
+            tokenizer = HFTokenizer(path / "tokenizer.json")
+    else:
+        model = _load_dcp(path, dtype, device)
+    return model.eval(), tokenizer

@@ -1,0 +1,276 @@
+"""The paged forward pass: the reference model's weights, run over one packed batch of scheduled tokens.
+
+A step computes ``N`` tokens from many sequences at once, packed into one row: first the decode tokens (one per
+sequence, each attending to its paged cache through :func:`~lightning_llmopt.kernels.paged_attention`), then prefill
+chunks, all of them in one variable-length flash-attention call with ``cu_seqlens`` (chunks with cached context get
+their context keys read back from the pool; see :class:`StepInputs`). Every linear layer, norm and MLP runs
+once over all ``N`` tokens; logits are computed only for tokens whose next token is sampled.
+
+The math is the reference model's (:class:`~lightning_llmopt.models.llama.Llama`): the same modules and weights
+(nothing is copied), RoPE in fp32, RMSNorm in fp32. On CUDA the per-token elementwise work runs in fused Triton
+kernels (:mod:`~lightning_llmopt.inference.decode_kernels`); on CPU plain PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_llmopt.inference.kv_pool import KVPool
+from lightning_llmopt.inference.scheduler import Work
+from lightning_llmopt.kernels.flash_attention import flash_attention
+from lightning_llmopt.kernels.paged_attention import paged_attention
+from lightning_llmopt.models.llama import Llama
+from lightning_llmopt.models.rope import apply_rope
+
+__all__ = ["ModelRunner", "StepInputs", "seqlen_bucket"]
+
+
+def seqlen_bucket(n: int) -> int:
+    """``max_seqlen`` handed to the flash kernel: a power of two >= 64 (an upper bound is all the varlen kernel
+    needs, and a few distinct values keep its autotuner from re-tuning for every new prompt length)."""
+    return max(64, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclass
+class StepInputs:
+    """Device tensors of one step (``N`` packed tokens: ``num_decode`` decodes, then prefill chunks).
+
+    Prefill attention is one variable-length flash-attention call over *segments*, one per prefill chunk: a chunk
+    at positions ``start .. start + n - 1`` whose keys from ``lo`` (0, or the window's left edge) are needed gets a
+    segment of ``start - lo`` context rows (keys/values read back from the pool, dummy all-zero queries whose outputs
+    are dropped) followed by its ``n`` new rows. With equal query and key lengths per segment the causal (and
+    window) masks line up, so one kernel call serves fresh prompts, chunked prefills and prefix hits alike.
+    """
+
+    input_ids: Tensor  # (N,) int64
+    positions: Tensor  # (N,) int64
+    blocks: Tensor  # (N,) int64: block of each token's key/value
+    slots: Tensor  # (N,) int64: slot in that block
+    num_decode: int
+    dec_tables: Tensor  # (num_decode, max_blocks) int32
+    dec_ctx: Tensor  # (num_decode,) int32, query's own key included
+    dec_max_ctx: int
+    logits_idx: Tensor  # (S,) int64 rows whose logits are returned
+    seg_cu: Tensor | None = None  # (P + 1,) int32 segment offsets (None: no prefill)
+    seg_max: int = 0  # bucketed longest segment
+    seg_total: int = 0  # rows of all segments
+    seg_new: Tensor | None = None  # (N - num_decode,) segment row of each new prefill token (None: no context)
+    seg_ctx: Tensor | None = None  # (C,) segment row of each context key
+    ctx_blocks: Tensor | None = None  # (C,) block of each context key
+    ctx_slots: Tensor | None = None  # (C,) slot of each context key
+
+
+class ModelRunner:
+    """Runs :class:`Llama` weights over paged KV storage.
+
+    Arguments:
+        model: the reference model (complete: embedding, blocks, norm, head).
+        pool: the KV pool.
+        backend: attention backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        fused: use the fused Triton elementwise kernels (default: on CUDA with Triton).
+    """
+
+    def __init__(self, model: Llama, pool: KVPool, backend: str = "auto", fused: bool | None = None) -> None:
+        if model.tok_embeddings is None or model.norm is None or model.output is None:
+            raise ValueError("the engine needs a complete model (embedding, final norm and output head)")
+        self.model = model
+        self.cfg = model.config
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.device = pool.device
+        self.dtype = model.tok_embeddings.weight.dtype
+        self.backend = backend
+        self.window = self.cfg.sliding_window
+        if fused is None:
+            from lightning_llmopt.testing.triton import triton_available
+
+            fused = self.device.type == "cuda" and triton_available() and backend != "reference"
+        self.fused = fused
+        self.linear = None
+        if fused:
+            from lightning_llmopt.inference.decode_kernels import LinearChooser
+
+            self.linear = LinearChooser()
+
+    # ------------------------------------------------------------------ inputs
+    def _slots(self, table: list[int], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.arange(lo, hi)
+        return np.asarray(table, dtype=np.int64)[pos // self.block_size], pos % self.block_size
+
+    @staticmethod
+    def order(work: list[Work]) -> list[Work]:
+        """The packing order :meth:`prepare` expects: decodes first, then prefill chunks.
+
+        Logit rows follow this order (restricted to the work that samples)."""
+        return [w for w in work if w.num_tokens == 1] + [w for w in work if w.num_tokens > 1]
+
+    def prepare(self, work: list[Work]) -> StepInputs:
+        """Pack work given in :meth:`order` (decodes, then prefills) into device tensors."""
+        nd = sum(1 for w in work if w.num_tokens == 1)
+        dec, pre = work[:nd], work[nd:]
+        if any(w.num_tokens != 1 for w in dec):
+            raise ValueError("work must be in ModelRunner.order(...)")
+        ids: list[int] = []
+        pos, blk, slot = [], [], []
+        logits_idx: list[int] = []
+        for w in work:
+            s = w.seq
+            ids.extend(s.tokens[w.start : w.start + w.num_tokens])
+            pos.append(np.arange(w.start, w.start + w.num_tokens))
+            b, o = self._slots(s.block_table, w.start, w.start + w.num_tokens)
+            blk.append(b)
+            slot.append(o)
+            if w.samples:
+                logits_idx.append(len(ids) - 1)
+        dev = self.device
+        max_blocks = max((len(w.seq.block_table) for w in dec), default=1)
+        tables = np.zeros((nd, max_blocks), dtype=np.int32)
+        for r, w in enumerate(dec):
+            tables[r, : len(w.seq.block_table)] = w.seq.block_table
+        ctx = [w.start + 1 for w in dec]
+        cat = np.concatenate
+        inp = StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(dev),
+            positions=torch.from_numpy(cat(pos)).to(dev),
+            blocks=torch.from_numpy(cat(blk)).to(dev),
+            slots=torch.from_numpy(cat(slot)).to(dev),
+            num_decode=nd,
+            dec_tables=torch.from_numpy(tables).to(dev),
+            dec_ctx=torch.tensor(ctx, dtype=torch.int32).to(dev),
+            dec_max_ctx=max(ctx, default=1),
+            logits_idx=torch.tensor(logits_idx, dtype=torch.long).to(dev),
+        )
+        if pre:
+            self._segments(pre, inp)
+        return inp
+
+    def _segments(self, pre: list[Work], inp: StepInputs) -> None:
+        """Fill the prefill segment fields of ``inp`` (layout in :class:`StepInputs`)."""
+        dev = self.device
+        lens, new_rows, ctx_rows, ctx_blk, ctx_slot = [], [], [], [], []
+        row = 0
+        for w in pre:
+            lo = max(0, w.start - self.window + 1) if self.window is not None else 0
+            c = w.start - lo
+            if c:
+                b, o = self._slots(w.seq.block_table, lo, w.start)
+                ctx_blk.append(b)
+                ctx_slot.append(o)
+                ctx_rows.append(np.arange(row, row + c))
+            new_rows.append(np.arange(row + c, row + c + w.num_tokens))
+            lens.append(c + w.num_tokens)
+            row += c + w.num_tokens
+        inp.seg_cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32).to(dev)
+        inp.seg_max = seqlen_bucket(max(lens))
+        inp.seg_total = row
+        if ctx_rows:
+            cat = np.concatenate
+            inp.seg_new = torch.from_numpy(cat(new_rows)).to(dev)
+            inp.seg_ctx = torch.from_numpy(cat(ctx_rows)).to(dev)
+            inp.ctx_blocks = torch.from_numpy(cat(ctx_blk)).to(dev)
+            inp.ctx_slots = torch.from_numpy(cat(ctx_slot)).to(dev)
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, inp: StepInputs, max_context: int | None = None) -> Tensor:
+        """Logits ``(S, vocab)`` fp32 of the rows in ``inp.logits_idx``.
+
+        ``max_context`` bounds the decode context lengths for the split-KV grid (fixed under CUDA graphs)."""
+        model = self.model
+        assert model.tok_embeddings is not None and model.norm is not None and model.output is not None
+        if self.fused:
+            from lightning_llmopt.inference.decode_kernels import fused_forward
+
+            h = fused_forward(self, inp, max_context)
+            assert self.linear is not None
+            return self.linear(h, model.output).float()
+        else:
+            h = model.tok_embeddings(inp.input_ids)  # (N, dim)
+            for i, block in enumerate(model.layers.values()):
+                h = self._block(i, block, h, inp, max_context)
+            h = model.norm(h[inp.logits_idx])
+        return model.output(h).float()
+
+    def _block(self, i: int, block: Any, h: Tensor, inp: StepInputs, max_context: int | None) -> Tensor:
+        attn = block.attention
+        x = block.attention_norm(h)
+        N = x.shape[0]
+        D = attn.head_dim
+        q = attn.wq(x).view(N, -1, D)  # (N, H, D)
+        k = attn.wk(x).view(N, -1, D)  # (N, H_kv, D)
+        v = attn.wv(x).view(N, -1, D)
+        q = apply_rope(q.transpose(0, 1)[None], self.model.rope, inp.positions[None])[0].transpose(0, 1)
+        k = apply_rope(k.transpose(0, 1)[None], self.model.rope, inp.positions[None])[0].transpose(0, 1)
+        self.pool.write(i, k, v, inp.blocks, inp.slots)
+        o = self.attention(i, q, k, v, inp, max_context)
+        h = h + attn.wo(o.reshape(N, -1))
+        return h + block.feed_forward(block.ffn_norm(h))
+
+    def attention(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, inp: StepInputs, max_context: int | None = None
+    ) -> Tensor:
+        """Attention of the packed step: q ``(N, H, D)``, the step's own k/v ``(N, H_kv, D)`` -> ``(N, H, D)``."""
+        kc, vc = self.pool.layer(layer)
+        ks, vs = self.pool.layer_scales(layer)
+        nd = inp.num_decode
+        if nd and inp.seg_cu is None:
+            return paged_attention(
+                q,
+                kc,
+                vc,
+                inp.dec_tables,
+                inp.dec_ctx,
+                window=self.window,
+                k_scale=ks,
+                v_scale=vs,
+                max_context=max_context or inp.dec_max_ctx,
+                backend=self.backend,
+            )
+        o = torch.empty_like(q)
+        if nd:
+            o[:nd] = paged_attention(
+                q[:nd],
+                kc,
+                vc,
+                inp.dec_tables,
+                inp.dec_ctx,
+                window=self.window,
+                k_scale=ks,
+                v_scale=vs,
+                max_context=max_context or inp.dec_max_ctx,
+                backend=self.backend,
+            )
+        if inp.seg_cu is None:
+            return o
+        sl = slice(nd, q.shape[0])
+        qs, kk, vv = q[sl], k[sl], v[sl]
+        if inp.seg_new is not None:  # segments with context rows: scatter the new rows, read the context back
+            assert inp.seg_ctx is not None and inp.ctx_blocks is not None and inp.ctx_slots is not None
+            T = inp.seg_total
+            qs = q.new_zeros(T, q.shape[1], q.shape[2])
+            qs[inp.seg_new] = q[sl]
+            kk = k.new_empty(T, k.shape[1], k.shape[2])
+            vv = v.new_empty(T, v.shape[1], v.shape[2])
+            kk[inp.seg_new] = k[sl]
+            vv[inp.seg_new] = v[sl]
+            k_ctx, v_ctx = self.pool.read(layer, inp.ctx_blocks, inp.ctx_slots, q.dtype)
+            kk[inp.seg_ctx] = k_ctx
+            vv[inp.seg_ctx] = v_ctx
+        out = flash_attention(
+            qs,
+            kk,
+            vv,
+            causal=True,
+            window=self.window,
+            cu_seqlens=inp.seg_cu,
+            max_seqlen=inp.seg_max,
+            backend=None if self.backend == "auto" else self.backend,
+        )
+        assert isinstance(out, Tensor)
+        o[sl] = out[inp.seg_new] if inp.seg_new is not None else out
+        return o

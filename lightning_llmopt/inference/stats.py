@@ -1,0 +1,67 @@
+"""Engine-wide figures: prefix-cache hits, time to first token and throughput, reported together."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from lightning_llmopt.inference.request import RequestMetrics
+
+__all__ = ["EngineStats"]
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine was built (or :meth:`reset`).
+
+    ``hit_rate`` is cached prompt tokens over prompt tokens of finished requests (first admission only: a
+    preempted sequence's recomputation is not counted as a hit). ``throughput_tok_s`` is generated tokens over the
+    wall time spent inside ``step()``.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
+    preemptions: int = 0
+    cancelled: int = 0
+    ttfts: list[float] = field(default_factory=list)
+
+    def record(self, metrics: RequestMetrics, generated: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += metrics.prompt_tokens
+        self.cached_tokens += metrics.cached_tokens
+        self.generated_tokens += generated
+        if metrics.ttft is not None:
+            self.ttfts.append(metrics.ttft)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.generated_tokens / self.busy_s if self.busy_s else 0.0
+
+    def summary(self) -> dict[str, float]:
+        """Hit tokens, time to first token and throughput in one flat dict."""
+        ttft = sorted(self.ttfts)
+        return {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_rate": self.hit_rate,
+            "generated_tokens": self.generated_tokens,
+            "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
+            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else 0.0,
+            "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else 0.0,
+            "throughput_tok_s": self.throughput_tok_s,
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+            "cancelled": self.cancelled,
+        }
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]

@@ -1,0 +1,315 @@
+"""Triton paged-attention decode kernel (split-KV, GQA on tensor cores) and its launcher.
+
+Design (facts from the PagedAttention, Flash-Decoding and FlashInfer papers; the code is ours):
+
+1. One program owns one ``(sequence, key/value head, split)``. The ``GROUP = H / H_kv`` query heads that share the
+   key/value head are loaded together as the rows of a ``[BLOCK_G, D]`` tile (padded to 16 rows, the smallest
+   ``tl.dot``), so ``q k^T`` and ``p v`` are tensor-core dot products and every key/value byte is read once per
+   group, not once per query head.
+2. Keys are visited in tiles of ``BLOCK_N`` token slots; the physical block of every slot comes from the block table
+   (``block_tables[b, t // PAGE]``), so a tile gathers ``BLOCK_N / PAGE`` pages of contiguous ``[PAGE, D]`` rows.
+3. Online softmax in base 2 (``softmax_scale * log2(e)`` folded into one factor; for int8 caches the key scale is
+   folded in too, and the value scale multiplies the output once at the end).
+4. Split-KV (Flash-Decoding): the visible range ``[start, ctx)`` is cut into ``num_splits`` pieces of
+   ``tokens_per_split`` tokens; each program writes its normalised partial output and its log-sum-exp, and
+   :func:`_combine_kernel` merges them with weights ``exp2(lse_s - max_s lse)``. With one split the first kernel
+   writes the final output directly. Splits past the end of a short sequence write ``lse = -inf`` (weight 0), so
+   the grid can be fixed for CUDA graphs while lengths change.
+
+A row with no visible key (``ctx == 0``: padding rows of a CUDA graph) writes zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
+
+ensure_interpreted_stdlib()  # before the kernels below are decorated
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q,
+    K,
+    V,
+    OUT,
+    O_PART,
+    LSE_PART,
+    BLOCK_TABLES,
+    CONTEXT_LENS,
+    K_SCALE,
+    V_SCALE,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_bt,
+    qk_scale,
+    WINDOW,
+    tokens_per_split,
+    GROUP: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    QUANT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(CONTEXT_LENS + b).to(tl.int32)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(ctx - WINDOW, 0)
+    lo = start + s * tokens_per_split
+    hi = tl.minimum(ctx, lo + tokens_per_split)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = hk * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_D
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    scale = qk_scale
+    if QUANT:
+        scale = scale * tl.load(K_SCALE + hk)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt = BLOCK_TABLES + b.to(tl.int64) * stride_bt
+    k_base = K + hk.to(tl.int64) * stride_kh
+    v_base = V + hk.to(tl.int64) * stride_vh
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(bt + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        slot = (offs_n % PAGE).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_base + page[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        if QUANT:
+            k = k.to(Q.dtype.element_ty)  # |k| <= 127: exact in fp16/bf16/fp32
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(n_mask[None, :], qk * scale, float("-inf"))
+        # every visited tile holds a visible key (start_n < hi), so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(
+            v_base + page[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        if QUANT:
+            v = v.to(Q.dtype.element_ty)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+
+    if QUANT:
+        acc = acc * tl.load(V_SCALE + hk)
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
+        p_ptrs = O_PART + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps + offs_d[None, :]
+        tl.store(p_ptrs, out, mask=out_mask)
+        tl.store(LSE_PART + b.to(tl.int64) * stride_lb + heads * stride_lh + s, lse, mask=g_mask)
+    else:
+        o_ptrs = OUT + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    O_PART,
+    LSE_PART,
+    OUT,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    lse = tl.load(LSE_PART + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)  # 0 for empty splits
+    denom = tl.sum(w, 0)
+    parts = tl.load(
+        O_PART + b.to(tl.int64) * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_D),
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    o_ptrs = OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_D)
+
+
+def _configs() -> list[triton.Config]:
+    """Decode autotuning list (kept short: tuning runs once per key, before any CUDA-graph capture)."""
+    return [
+        triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_N": 32}, num_warps=2, num_stages=4),
+    ]
+
+
+@functools.cache
+def _tuned_kernel():  # type: ignore[no-untyped-def]
+    # tokens_per_split is not in the key: one tuning per head layout, whatever the batch (so CUDA graphs of every
+    # batch size reuse it instead of re-tuning)
+    return triton.autotune(configs=_configs(), key=["GROUP", "HEAD_D", "PAGE", "QUANT", "SPLIT", "HAS_WINDOW"])(
+        _paged_decode_kernel
+    )
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def paged_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    window: int,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    num_splits: int,
+    tokens_per_split: int,
+) -> Tensor:
+    """Launch the decode kernel (and the combine kernel when ``num_splits > 1``); arguments as
+    :func:`lightning_llmopt.kernels.paged_attention`, already validated. ``window <= 0`` means no window."""
+    B, H, D = q.shape
+    _, H_kv, page, _ = k_cache.shape
+    group = H // H_kv
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty(B, H, num_splits, D, device=q.device, dtype=torch.float32)
+        lse_part = torch.empty(B, H, num_splits, device=q.device, dtype=torch.float32)
+    else:
+        o_part, lse_part = out, out  # unused
+    quant = k_cache.dtype == torch.int8
+    dummy = context_lens
+    interp = q.device.type != "cuda"
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        out,
+        o_part,
+        lse_part,
+        block_tables,
+        context_lens,
+        k_scale if quant else dummy,
+        v_scale if quant else dummy,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        o_part.stride(0) if split else 0,
+        o_part.stride(1) if split else 0,
+        o_part.stride(2) if split else 0,
+        lse_part.stride(0) if split else 0,
+        lse_part.stride(1) if split else 0,
+        block_tables.stride(0),
+        scale * LOG2E,
+        max(window, 0),
+        tokens_per_split,
+    )
+    consts = dict(
+        GROUP=group,
+        HEAD_D=D,
+        BLOCK_D=max(16, _next_pow2(D)),
+        BLOCK_G=max(16, _next_pow2(group)),
+        PAGE=page,
+        HAS_WINDOW=window > 0,
+        QUANT=quant,
+        SPLIT=split,
+        IEEE=q.dtype == torch.float32,
+    )
+    grid = (B, H_kv, num_splits)
+    if interp:
+        _paged_decode_kernel[grid](*args, BLOCK_N=16, num_warps=4, **consts)
+    elif q.dtype == torch.float32:  # exact fp32 (tests): one fixed config, no tuning
+        _paged_decode_kernel[grid](*args, BLOCK_N=32, num_warps=4, num_stages=2, **consts)
+    else:
+        _tuned_kernel()[grid](*args, **consts)
+    if split:
+        _combine_kernel[(B, H)](
+            o_part,
+            lse_part,
+            out,
+            num_splits,
+            o_part.stride(0),
+            o_part.stride(1),
+            o_part.stride(2),
+            lse_part.stride(0),
+            lse_part.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_D=D,
+            BLOCK_D=max(16, _next_pow2(D)),
+            BLOCK_S=max(2, _next_pow2(num_splits)),
+            num_warps=4,
+        )
+    return out
+
+
+__all__ = ["paged_decode"]
