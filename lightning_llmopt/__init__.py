@@ -18,4 +18,8 @@ def __getattr__(name: str):  # lazy: the data module pulls in nothing heavy, but
         from lightning_llmopt.data import TextDataModule
 
         return TextDataModule
+    if name == "optimize_model":
+        from lightning_llmopt.optimize import optimize_model
+
+        return optimize_model
     raise AttributeError(f"module 'lightning_llmopt' has no attribute {name!r}")

@@ -14,7 +14,10 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 from typing_extensions import override
 
+from lightning_llmopt.data.datamodule import data_parallel_position
 from lightning_llmopt.models import Llama, LlamaConfig
+from lightning_llmopt.models.moe import moe_aux_loss, update_balance_bias
+from lightning_llmopt.parallel.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -66,6 +69,7 @@ class CausalLMModule(L.LightningModule):
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
         self.tokens_seen = 0
+        self.moe_stats: dict[str, Tensor] = {}  # last MoE load statistics (on_before_zero_grad)
 
     # ------------------------------------------------------------------ construction
     @override
@@ -91,7 +95,9 @@ class CausalLMModule(L.LightningModule):
 
     @staticmethod
     def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
-        """Mean next-token cross-entropy over labels != -100, in fp32."""
+        """Mean next-token cross-entropy over labels != -100, in fp32 (vocab-parallel for tensor-parallel logits)."""
+        if is_vocab_sharded(logits):
+            return vocab_parallel_cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
     @override
@@ -99,10 +105,27 @@ class CausalLMModule(L.LightningModule):
         assert self.model is not None, "configure_model() has not run"
         return self.model(input_ids, **kwargs)
 
+    def _train_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """The training loss; through ``Llama.loss`` (no full logits) when the model has a fused loss."""
+        assert self.model is not None, "configure_model() has not run"
+        if getattr(self.model, "fused_loss", None) is not None and self.model.output is not None:
+            return self.model.loss(
+                batch["input_ids"],
+                batch["labels"],
+                positions=batch.get("positions"),
+                doc_ids=batch.get("doc_ids"),
+                ignore_index=IGNORE_INDEX,
+            )
+        return self.loss_fn(self._logits(batch), batch["labels"])
+
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.loss_fn(self._logits(batch), batch["labels"])
-        self.tokens_seen += batch["input_ids"].numel() * self.trainer.world_size
+        loss = self._train_loss(batch)
+        aux = moe_aux_loss(self.model) if self.model is not None else None
+        if aux is not None:  # Mixture-of-Experts balance and z-losses of this forward
+            self.log("train/moe_aux_loss", aux.detach())
+            loss = loss + aux
+        self.tokens_seen += batch["input_ids"].numel() * data_parallel_position(self.trainer)[0]
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
@@ -113,6 +136,8 @@ class CausalLMModule(L.LightningModule):
         labels = batch["labels"]
         loss = self.loss_fn(logits, labels)
         self.val_loss.update(loss, weight=(labels != IGNORE_INDEX).sum())
+        if is_vocab_sharded(logits):  # tensor parallelism: the metric needs whole rows (validation only)
+            logits = logits.full_tensor()  # type: ignore[attr-defined]
         self.val_ppl.update(logits.float(), labels)
         self.log("val/loss", self.val_loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl)
@@ -155,6 +180,14 @@ class CausalLMModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoint extras
     @override
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        """After each optimizer step: MoE load statistics over all ranks and the auxiliary-loss-free bias update
+        (``moe_stats``, logged by :class:`~lightning_llmopt.callbacks.TrainingMonitor`)."""
+        if self.model is None or self.config.moe is None:
+            return
+        strategy = self.trainer.strategy
+        self.moe_stats = update_balance_bias(self.model, reduce=lambda t: strategy.reduce(t, reduce_op="sum"))
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
 

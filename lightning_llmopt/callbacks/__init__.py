@@ -4,12 +4,14 @@ from lightning_llmopt.callbacks.activation_checkpointing import ActivationCheckp
 from lightning_llmopt.callbacks.batch_size_finder import MicroBatchSizeFinder
 from lightning_llmopt.callbacks.curriculum import Curriculum
 from lightning_llmopt.callbacks.monitor import TrainingMonitor, peak_flops
+from lightning_llmopt.callbacks.qat import QuantizationAwareTraining
 from lightning_llmopt.callbacks.sequence_packing import SequencePacking
 
 __all__ = [
     "ActivationCheckpointing",
     "Curriculum",
     "MicroBatchSizeFinder",
+    "QuantizationAwareTraining",
     "SequencePacking",
     "TrainingMonitor",
     "peak_flops",

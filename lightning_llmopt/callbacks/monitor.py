@@ -132,4 +132,21 @@ class TrainingMonitor(L.Callback):
             metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / 2**30
         else:
             metrics["memory/max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        metrics.update(moe_metrics(getattr(pl_module, "moe_stats", None) or {}))
         return metrics
+
+
+def moe_metrics(stats: dict[str, Tensor]) -> dict[str, float]:
+    """Mixture-of-Experts load metrics from ``CausalLMModule.moe_stats`` (all ranks, last optimizer step):
+    ``moe/load_cv`` and ``moe/dropped_fraction`` averaged over MoE layers, ``moe/load_cv_max`` over layers, and
+    ``moe/expert_tokens/<layer>/<expert>`` the tokens each expert processed."""
+    if not stats:
+        return {}
+    load, cv, dropped = stats["load"], stats["load_cv"], stats["dropped_fraction"]
+    metrics = {"moe/load_cv": float(cv.mean()), "moe/load_cv_max": float(cv.max()),
+               "moe/dropped_fraction": float(dropped.mean())}
+    for layer, row in enumerate(load.tolist()):
+        for expert, count in enumerate(row):
+            metrics[f"moe/expert_tokens/{layer}/{expert}"] = float(count)
+    return metrics
+

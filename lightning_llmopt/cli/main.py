@@ -3,6 +3,9 @@
     llmopt fit --config examples/configs/tiny_cpu.yaml
     llmopt validate --config examples/configs/tiny_cpu.yaml --ckpt_path runs/tiny_cpu/checkpoints/last.ckpt
     llmopt consolidate runs/zero/checkpoints hf_out/ --dtype bf16     # sharded DCP checkpoint -> HF safetensors
+    llmopt quantize hf_or_ckpt out/ --method gptq --bits 4 --group-size 128 --format gptq|compressed-tensors
+    llmopt export quantized/ out/ --format compressed-tensors|gptq
+    llmopt generate runs/ckpts --prompt "def fib(n):" --max-tokens 64
 
 Unless the configuration names loggers, the run logs to CSV and to Weights & Biases, offline when no API key is
 configured (``WANDB_API_KEY`` or a netrc entry), online otherwise; ``--wandb false`` turns W&B off.
@@ -100,13 +103,16 @@ class LLMOptCLI(LightningCLI):
             print("\n".join(lines), flush=True)
 
 
+_SUBCOMMANDS = {"consolidate": "consolidate", "quantize": "quantize", "export": "export", "generate": "generate"}
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``llmopt`` console script."""
     argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] == "consolidate":
-        from lightning_llmopt.cli import consolidate
+    if argv and argv[0] in _SUBCOMMANDS:  # plain argparse subcommands, outside LightningCLI
+        import importlib
 
-        consolidate.main(argv[1:])
+        importlib.import_module(f"lightning_llmopt.cli.{_SUBCOMMANDS[argv[0]]}").main(argv[1:])
         return
     if not RequirementCache("jsonargparse[signatures]>=4.32"):
         raise SystemExit("llmopt needs the command-line extra: pip install 'lightning_llmopt[cli]'")

@@ -199,15 +199,13 @@ class TextDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> ResumableDataLoader:
-        trainer = self.trainer
-        rank = trainer.global_rank if trainer is not None else 0
-        world_size = trainer.world_size if trainer is not None else 1
+        world_size, rank = data_parallel_position(self.trainer)
         dataset = self.train_dataset
         sampler = self.sampler_factory(dataset, num_replicas=world_size, rank=rank, seed=self.seed)
         if len(sampler) < self.batch_size:
             raise ValueError(
                 f"train split has {len(dataset)} {'rows' if self.packing else 'chunks'}, {len(sampler)} per rank "
-                f"over world_size={world_size}: "
+                f"over {world_size} data-parallel ranks: "
                 f"fewer than batch_size ({self.batch_size}); use more data or a smaller batch_size/seq_len"
             )
         return ResumableDataLoader(
@@ -268,3 +266,18 @@ def _check_packing(packing: str | None, buffer_size: int) -> None:
         raise ValueError(f"packing ({packing!r}) must be None or one of {ALGORITHMS}")
     if not isinstance(buffer_size, int) or buffer_size < 1:
         raise ValueError(f"packing_buffer ({buffer_size!r}) must be a positive integer")
+
+
+def data_parallel_position(trainer: Any) -> tuple[int, int]:
+    """``(replicas, rank)`` of this process among the ranks that read different data.
+
+    The strategy's ``distributed_sampler_kwargs`` when it has them (tensor/context-parallel ranks of one group read
+    the same rows), else the trainer's world size and global rank; ``(1, 0)`` without a trainer.
+    """
+    if trainer is None:
+        return 1, 0
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    if "num_replicas" in kwargs and "rank" in kwargs:
+        return int(kwargs["num_replicas"]), int(kwargs["rank"])
+    return trainer.world_size, trainer.global_rank
+

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_llmopt.models.moe_config import MoEConfig
+
 ATTENTION_BACKENDS = ("sdpa", "eager")
 ROPE_SCALING_TYPES = ("linear", "llama3")
 
@@ -70,6 +72,12 @@ class LlamaConfig:
             softmax in fp32, the numerical reference); later kernels register more names.
         init_std: standard deviation of the normal initialisation of linear and embedding weights; output
             projections of each block are further scaled by ``1/sqrt(2 * n_layers)``.
+        fused_kernels: fused Triton kernels swapped in at construction, a subset of :data:`FUSED_KERNELS`
+            (``"rmsnorm"``, ``"rope"``, ``"swiglu"``, ``"fused_ce"``) or ``["all"]``; a comma-separated string is
+            accepted. Parameters and the state dict are the same either way (see
+            :func:`lightning_llmopt.optimize.optimize_model`).
+        moe: Mixture-of-Experts feed-forward layers (:class:`~lightning_llmopt.models.moe_config.MoEConfig` or a
+            dict of its fields); ``None`` keeps every block dense.
     """
 
     vocab_size: int = 32000
@@ -90,11 +98,15 @@ class LlamaConfig:
     tie_embeddings: bool = False
     attn_backend: str = "sdpa"
     init_std: float = 0.02
+    fused_kernels: list[str] = field(default_factory=list)
+    moe: MoEConfig | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -124,6 +136,7 @@ class LlamaConfig:
         if self.init_std <= 0:
             raise ValueError(f"init_std ({self.init_std}) must be positive")
         _check_attn_backend(self.attn_backend)
+        self.fused_kernels = _check_fused_kernels(self.fused_kernels)
 
     @property
     def n_rep(self) -> int:
@@ -157,6 +170,20 @@ def _check_attn_backend(name: str) -> None:
 
     if name not in registered_backends():
         raise ValueError(f"attn_backend ({name!r}) must be one of {sorted(registered_backends())}")
+
+
+FUSED_KERNELS = ("rmsnorm", "rope", "swiglu", "fused_ce")
+
+
+def _check_fused_kernels(value: Any) -> list[str]:
+    names = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value or [])
+    names = [n for n in names if n]
+    if "all" in names:
+        names = [n for n in names if n != "all"] + list(FUSED_KERNELS)
+    unknown = sorted(set(names) - set(FUSED_KERNELS))
+    if unknown:
+        raise ValueError(f"fused_kernels ({unknown}) must name kernels of {FUSED_KERNELS} or 'all'")
+    return [n for n in FUSED_KERNELS if n in names]
 
 
 def _llama_ffn_dim(dim: int, multiple_of: int, multiplier: float | None) -> int:

@@ -51,6 +51,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+        # Hook for a fused rotation, ``rotary(q, k, table, positions) -> (q, k)``; None: ``apply_rope``.
+        self.rotary: nn.Module | None = None
 
     def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask,
                 kv_cache: KVCache | None = None) -> Tensor:
@@ -59,7 +61,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, rope, positions), apply_rope(k, rope, positions)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, rope, positions)
+        else:
+            q, k = apply_rope(q, rope, positions), apply_rope(k, rope, positions)
         if kv_cache is not None:
             k, v, k_positions = kv_cache.update(self.layer_id, k, v, positions)
             mask = AttentionMask(positions, k_positions, window=self.window)
@@ -87,7 +92,13 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config, layer_id)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+        self.feed_forward: nn.Module
+        if config.moe is not None and config.moe.is_moe_layer(layer_id):
+            from lightning_llmopt.models.moe import MoEFeedForward
+
+            self.feed_forward = MoEFeedForward(config.dim, config.ffn_hidden_dim, config.moe)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
 
     def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask,
                 kv_cache: KVCache | None = None) -> Tensor:
@@ -102,7 +113,8 @@ class Llama(nn.Module):
         config: a :class:`LlamaConfig`.
 
     Build on the meta device and materialise with ``model.to_empty(device=...)`` then ``model.init_weights()``;
-    eager construction initialises the same way.
+    eager construction initialises the same way. ``config.fused_kernels`` swaps in the fused Triton modules at
+    construction (:func:`lightning_llmopt.optimize.optimize_model`).
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -118,6 +130,13 @@ class Llama(nn.Module):
         self.rope: Tensor
         self.register_buffer("rope", rope_table(config.max_seq_len, config.head_dim, config.rope_theta,
                                                 config.rope_scaling), persistent=False)
+        # Set to a fused linear + cross-entropy module by optimize_model(fused_ce=True); used by :meth:`loss`.
+        self.fused_loss: nn.Module | None = None
+        if config.fused_kernels:
+            from lightning_llmopt.optimize import FUSED_KERNELS, optimize_model
+
+            on = [name in config.fused_kernels for name in FUSED_KERNELS]
+            optimize_model(self, rmsnorm=on[0], rope=on[1], swiglu=on[2], fused_ce=on[3])
         if not self.rope.is_meta:
             self.init_weights()
 
@@ -142,6 +161,8 @@ class Llama(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif hasattr(module, "init_experts"):  # MoEFeedForward: stacked expert weights, balance bias
+                module.init_experts(cfg.init_std, out_std)
         if cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
@@ -200,6 +221,22 @@ class Llama(nn.Module):
         h = self.hidden_states(tokens, positions, doc_ids, kv_cache)
         return self.output(h) if self.output is not None else h
 
+    def loss(self, tokens: Tensor, labels: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None,
+             ignore_index: int = -100) -> Tensor:
+        """Mean cross-entropy of ``labels`` ``(B, T)`` (``ignore_index`` skipped), fp32 scalar.
+
+        With :attr:`fused_loss` set (``optimize_model(fused_ce=True)`` or ``fused_kernels``), the head and the loss
+        run chunk by chunk and the ``(B, T, vocab_size)`` logits never exist; otherwise
+        ``cross_entropy(self(tokens).float(), labels)``. Other arguments as :meth:`hidden_states`.
+        """
+        if self.output is None:
+            raise ValueError("loss() needs the output head (this model has output=None)")
+        h = self.hidden_states(tokens, positions, doc_ids)
+        if self.fused_loss is not None:
+            return self.fused_loss(h, self.output.weight, labels, ignore_index=ignore_index)
+        logits = self.output(h)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=ignore_index)
+
     # ------------------------------------------------------------------ accounting
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (tied weights counted once)."""
@@ -218,6 +255,11 @@ class Llama(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         if not cfg.tie_embeddings:
             n -= cfg.vocab_size * cfg.dim  # the embedding lookup does no matmul
+        for block in self.layers.values():  # MoE: only top_k of the num_experts experts run per token
+            ffn = block.feed_forward
+            if hasattr(ffn, "init_experts"):
+                per_expert = (ffn.w1.numel() + ffn.w2.numel() + ffn.w3.numel()) // ffn.w1.shape[0]
+                n -= per_expert * (ffn.w1.shape[0] - ffn.config.top_k * ffn.w1.shape[0] / ffn.num_experts)
         ctx = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
         attn = cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx
         return (6 * n + 6 * attn) if training else (2 * n + 2 * attn)

@@ -122,24 +122,44 @@ def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = Fal
 def materialize(module: nn.Module, device: torch.device, buffer_device: torch.device | None = None) -> None:
     """Allocate meta parameters/buffers on ``device`` (local shards only) and initialise them in place.
 
+    Only the top-level children that hold meta tensors are allocated: ``to_empty`` on the whole LightningModule
+    would also replace the states of its torchmetrics metrics (real tensors) with uninitialised memory. The other
+    children move to ``buffer_device`` (default ``device``), where the module computes.
+
     ``buffer_device``: where buffers end up (default ``device``). With parameter offload the parameters stay on the
     CPU and FSDP2 moves them for compute, but it does not manage buffers (RoPE tables): those go to the GPU.
     """
-    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+    if not _has_meta(module):
         _move_buffers(module, buffer_device)
         return
-    module.to_empty(device=device)
+    own = any(t.is_meta for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
+    targets = [module] if own else [c for c in module.children() if _has_meta(c)]
+    for target in targets:
+        target.to_empty(device=device)
+        _initialise(target, skip_self=target is module)
+    if not own:
+        for child in module.children():
+            if all(child is not t for t in targets):
+                child.to(buffer_device or device)
+    _move_buffers(module, buffer_device)
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def _initialise(module: nn.Module, skip_self: bool) -> None:
+    """``init_weights()`` where a module defines it (its subtree is then done), else ``reset_parameters()``."""
     done: set[int] = set()
     for sub in module.modules():
         if id(sub) in done:
             continue
         init = getattr(sub, "init_weights", None)
-        if callable(init) and sub is not module:
+        if callable(init) and not (skip_self and sub is module):
             init()
             done.update(id(m) for m in sub.modules())
         elif callable(getattr(sub, "reset_parameters", None)) and any(True for _ in sub.parameters(recurse=False)):
             sub.reset_parameters()  # type: ignore[operator]
-    _move_buffers(module, buffer_device)
 
 
 def _move_buffers(module: nn.Module, device: torch.device | None) -> None:

@@ -305,3 +305,17 @@ def test_exact_resume_matches_uninterrupted_run(corpus: Path, tmp_path: Path, un
         assert torch.equal(x, y), f"batch {step} differs after resuming at step {stop}"
     # Epochs really are reshuffled: the second epoch does not repeat the first.
     assert not torch.equal(torch.cat(seen_a[:per_epoch]), torch.cat(seen_a[per_epoch : 2 * per_epoch]))
+
+
+def test_data_parallel_position_follows_the_strategy() -> None:
+    """Tensor/context-parallel ranks of one group must read the same rows: the sampler's replicas and rank come from
+    the strategy's ``distributed_sampler_kwargs``, not from the world size."""
+    from types import SimpleNamespace
+
+    from lightning_llmopt.data.datamodule import data_parallel_position
+
+    tp_strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1})
+    assert data_parallel_position(SimpleNamespace(strategy=tp_strategy, world_size=8, global_rank=5)) == (2, 1)
+    plain = SimpleNamespace(strategy=SimpleNamespace(), world_size=4, global_rank=3)
+    assert data_parallel_position(plain) == (4, 3)
+    assert data_parallel_position(None) == (1, 0)

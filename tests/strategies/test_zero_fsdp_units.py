@@ -51,3 +51,46 @@ def test_edges_of_transformers_llama() -> None:
     embedding, head = edge_modules(Holder(model))
     assert embedding is model.model.embed_tokens
     assert head == [model.model.norm, model.lm_head]
+
+
+def test_materialize_keeps_real_tensors_of_other_children() -> None:
+    """Only meta children are allocated: a metric-like child with real state keeps it (``to_empty`` on the whole
+    LightningModule used to overwrite torchmetrics states with uninitialised memory)."""
+    import torch
+
+    from lightning_llmopt.strategies.zero_fsdp import materialize
+
+    holder = Holder(Llama(LlamaConfig.from_preset("tiny")))
+    with torch.device("meta"):
+        holder.model = Llama(LlamaConfig.from_preset("tiny"))
+    holder.metric = nn.Module()
+    holder.metric.register_buffer("total", torch.tensor([3.0, 4.0]))
+    materialize(holder, torch.device("cpu"))
+    assert torch.equal(holder.metric.total, torch.tensor([3.0, 4.0]))
+    assert not any(p.is_meta for p in holder.parameters())
+    assert all(torch.isfinite(p).all() for p in holder.parameters())
+    assert float(holder.model.layers["0"].attention_norm.weight.mean()) == 1.0  # init_weights ran
+
+
+def test_stage3_validation_metrics_are_sane(tmp_path: object) -> None:
+    """Through the Trainer: stage 3 validation loss/perplexity agree with the model's own loss on the batch."""
+    import math
+
+    import lightning as L
+    import torch
+
+    from lightning_llmopt import CausalLMModule
+    from lightning_llmopt.strategies import ZeroStrategy
+    from lightning_llmopt.testing.data import RandomTokens
+
+    L.seed_everything(0, verbose=False)
+    data = torch.utils.data.DataLoader(RandomTokens(320, 32, 8, seed=0), batch_size=4)
+    module = CausalLMModule("tiny", warmup_steps=1, max_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=3), max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(module, train_dataloaders=data, val_dataloaders=data)
+    val = float(trainer.callback_metrics["val/loss"])
+    ppl = float(trainer.callback_metrics["val/ppl"])
+    assert 0 < val < 2 * math.log(320)  # near ln(vocab) for a barely trained model, never uninitialised memory
+    assert math.isclose(ppl, math.exp(val), rel_tol=1e-3)
