@@ -76,11 +76,13 @@ def _placement_on(t: Tensor, dim_name: str) -> Any:
 
 
 @torch.no_grad()
-def broadcast_parameters(module: nn.Module, mesh: Any, dim_name: str, *, skip_sharded: bool = True) -> int:
+def broadcast_parameters(module: nn.Module, mesh: Any, dim_name: str, *, skip_sharded: bool = True,
+                         exclude: set[int] | None = None, only: set[int] | None = None) -> int:
     """Broadcast local parameter tensors from index 0 of mesh dimension ``dim_name`` to the rest of that dimension.
 
-    ``skip_sharded``: leave DTensors sharded on ``dim_name`` alone (their pieces differ by design). Returns the
-    number of tensors broadcast.
+    ``skip_sharded``: leave DTensors sharded on ``dim_name`` alone (their pieces differ by design). ``exclude`` /
+    ``only``: ids of parameters to leave out / to restrict to (expert shards). Returns the number of tensors
+    broadcast.
     """
     if mesh[dim_name].size() == 1:
         return 0
@@ -88,6 +90,8 @@ def broadcast_parameters(module: nn.Module, mesh: Any, dim_name: str, *, skip_sh
     src = dist.get_global_rank(group, 0)
     n = 0
     for p in module.parameters():
+        if (exclude is not None and id(p) in exclude) or (only is not None and id(p) not in only):
+            continue
         placement = _placement_on(p, dim_name)
         if skip_sharded and placement is not None and placement.is_shard():
             continue

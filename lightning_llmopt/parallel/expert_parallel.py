@@ -76,12 +76,18 @@ class AllToAllDispatcher:
         local_ids = torch.arange(local, device=x.device).repeat(ep)
         row_expert = torch.repeat_interleave(local_ids, recv_by_src.reshape(-1))
         perm = torch.argsort(row_expert, stable=True)  # (source, expert) -> (expert, source)
-        y_sorted = expert_swiglu(rows[perm], recv_by_src.sum(0), layer.w1, layer.w2, layer.w3)
+        w1, w2, w3 = (_local(w) for w in (layer.w1, layer.w2, layer.w3))
+        y_sorted = expert_swiglu(rows[perm], recv_by_src.sum(0), w1, w2, w3)
         y = torch.empty_like(y_sorted).index_copy(0, perm, y_sorted)  # back to (source, expert) order
         back = _AllToAll.apply(y, send, recv, self.group)  # (M, D) in this rank's sorted order
         weights = routing.weights.reshape(n * k)[order, None]
         out = torch.zeros(n, x.shape[1], device=x.device, dtype=weights.dtype)
         return out.index_add(0, tokens[order], back.to(weights.dtype) * weights)
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor expert weight (differentiable), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def expert_groups(world_size: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -101,9 +107,15 @@ def is_expert_param(p: Tensor) -> bool:
 def apply_expert_parallel(model: nn.Module, group: Any) -> list[MoEFeedForward]:
     """Keep this rank's experts in every MoE layer of ``model`` and route through ``group`` (in place).
 
-    Raises ``ValueError`` (before any collective) if a layer's ``num_experts`` is not divisible by the group size.
+    ``group``: a process group, or a 1-D ``DeviceMesh`` (e.g. ``mesh["ep"]``). With a mesh the expert weights become
+    ``DTensor``s sharded on dim 0 over it, so distributed checkpoints save whole experts and load into any expert
+    layout (and ``set_model_state_dict`` can scatter full weights); with a process group they are plain local
+    tensors. Works on meta-device models. Raises ``ValueError`` (before any collective) if a layer's
+    ``num_experts`` is not divisible by the group size.
     """
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    mesh = group if hasattr(group, "get_group") else None
+    pg = mesh.get_group() if mesh is not None else group
+    ep, rank = dist.get_world_size(pg), dist.get_rank(pg)
     layers = moe_layers(model)
     for layer in layers:
         if layer.config.num_experts % ep != 0:
@@ -113,11 +125,17 @@ def apply_expert_parallel(model: nn.Module, group: Any) -> list[MoEFeedForward]:
         sl = slice(rank * local, (rank + 1) * local)
         for name in ("w1", "w2", "w3"):
             full = getattr(layer, name)
-            shard = nn.Parameter(full[sl].clone(), requires_grad=full.requires_grad)
+            data = full[sl].clone()
+            if mesh is not None:
+                from torch.distributed.tensor import DTensor, Shard
+
+                data = DTensor.from_local(data, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                          stride=full.stride())
+            shard = nn.Parameter(data, requires_grad=full.requires_grad)
             shard._expert_parallel = True  # type: ignore[attr-defined]
             setattr(layer, name, shard)
         layer.expert_offset = rank * local
-        layer.dispatcher = AllToAllDispatcher(group)
+        layer.dispatcher = AllToAllDispatcher(pg)
     return layers
 
 
@@ -129,9 +147,10 @@ def reduce_gradients(model: nn.Module, world_group: Any = None, expert_dp_group:
     for p in model.parameters():
         if p.grad is None:
             continue
+        grad = _local(p.grad)
         if is_expert_param(p):
             if expert_dp_group is not None and dist.get_world_size(expert_dp_group) > 1:
-                dist.all_reduce(p.grad, group=expert_dp_group)
+                dist.all_reduce(grad, group=expert_dp_group)
         else:
-            dist.all_reduce(p.grad, group=world_group)
-        p.grad.div_(world)
+            dist.all_reduce(grad, group=world_group)
+        grad.div_(world)

@@ -110,6 +110,11 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
+    def dp_rep(self) -> int:
+        """Data-parallel replicas of one expert shard (``dp // ep``; ``dp`` without expert parallelism)."""
+        return self.dp // self.ep
+
+    @property
     def names(self) -> tuple[str, ...]:
         return DIM_NAMES_EP if self.ep > 1 else DIM_NAMES
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lightning_llmopt.parallel.context_parallel import CP_MODES, ContextParallelAttention, apply_cp, validate_cp
-from lightning_llmopt.parallel.data_parallel import all_reduce_gradients, broadcast_parameters
+from lightning_llmopt.parallel.data_parallel import all_reduce_gradients, broadcast_parameters, local_tensor
 from lightning_llmopt.parallel.mesh import ParallelDims
 from lightning_llmopt.parallel.tensor_parallel import apply_tp, check_plan_paths, reduce_partial_grads, validate_tp
 from lightning_llmopt.parallel.tp_plans import FAMILIES, ModelFamily
@@ -114,10 +114,7 @@ def validate(module: nn.Module, dims: ParallelDims, config: NDConfig) -> list[nn
             "the mesh already reserves its 'pp' dimension"
         )
     if dims.ep > 1:
-        raise NotImplementedError(
-            f"expert_parallel ({dims.ep}) > 1 arrives with Mixture-of-Experts (issue 6); the "
-            "mesh already reserves its 'ep' dimension"
-        )
+        _validate_ep(module, dims, config)
     if config.zero_stage in (1, 2) and dims.tp > 1:
         raise ValueError(
             f"zero_stage ({config.zero_stage}) with tensor_parallel ({dims.tp}): the ZeRO-1/2 engine "
@@ -168,6 +165,32 @@ def validate(module: nn.Module, dims: ParallelDims, config: NDConfig) -> list[nn
     return models
 
 
+def _validate_ep(module: nn.Module, dims: ParallelDims, config: NDConfig) -> None:
+    from lightning_llmopt.models.moe import moe_layers
+
+    layers = moe_layers(module)
+    if not layers:
+        raise ValueError(
+            f"expert_parallel ({dims.ep}) needs Mixture-of-Experts layers (LlamaConfig(moe=...)); "
+            f"{type(module).__name__} has none"
+        )
+    for layer in layers:
+        if layer.config.num_experts % dims.ep != 0:
+            raise ValueError(
+                f"num_experts ({layer.config.num_experts}) must be divisible by expert_parallel ({dims.ep})"
+            )
+    if dims.tp > 1 or dims.cp > 1:
+        raise ValueError(
+            f"expert_parallel ({dims.ep}) composes with data parallelism only so far; got tensor_parallel "
+            f"({dims.tp}), context_parallel ({dims.cp})"
+        )
+    if config.zero_stage != 0:
+        raise ValueError(
+            f"expert_parallel ({dims.ep}) runs with zero_stage=0 so far (gradients all-reduced; experts sharded "
+            f"over 'ep'); got zero_stage={config.zero_stage}"
+        )
+
+
 def _is_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
@@ -198,6 +221,10 @@ def parallelize(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDConf
                 ring_impl=config.ring_impl,
                 tensor_parallel=dims.tp,
             )
+        if dims.ep > 1:
+            from lightning_llmopt.parallel.expert_parallel import apply_expert_parallel
+
+            apply_expert_parallel(model, mesh["ep"])
         if config.activation_checkpointing != "none":
             apply_activation_checkpointing(model, config.activation_checkpointing)
         if config.compile:
@@ -265,7 +292,10 @@ def materialize(
             _reset_hf_rotary(target, buffer_device or device)
     broadcast_parameters(module, mesh, "tp")  # replicated over tp: random init differs per rank on the CPU
     if not fsdp:
-        broadcast_parameters(module, mesh, "dp_cp", skip_sharded=False)
+        experts = _expert_params(module)
+        broadcast_parameters(module, mesh, "dp_cp", skip_sharded=False, exclude=experts)
+        if experts:  # each EP rank holds other experts: equal only across the replicas of one expert shard
+            broadcast_parameters(module, mesh, "dp_rep", only=experts)
 
 
 def _reset_hf_rotary(module: nn.Module, device: torch.device) -> None:
@@ -283,4 +313,21 @@ def sync_gradients(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDC
     if dims.tp > 1 and not fsdp:
         reduce_partial_grads(module)
     if config.zero_stage == 0 and dims.dp_cp > 1:
-        all_reduce_gradients([p for p in module.parameters() if p.requires_grad], mesh["dp_cp"].get_group())
+        experts = _expert_params(module)
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in experts]
+        all_reduce_gradients(params, mesh["dp_cp"].get_group())
+        if experts:
+            # Each rank's loss is its own mean; the all-to-all backward already summed the EP group's
+            # contributions into the local expert gradients: average over replicas, then over the EP degree.
+            expert_params = [p for p in module.parameters() if id(p) in experts and p.grad is not None]
+            if dims.dp_rep > 1:
+                all_reduce_gradients(expert_params, mesh["dp_rep"].get_group())
+            for p in expert_params:
+                assert p.grad is not None
+                local_tensor(p.grad).div_(dims.ep)
+
+
+def _expert_params(module: nn.Module) -> set[int]:
+    from lightning_llmopt.parallel.expert_parallel import is_expert_param
+
+    return {id(p) for p in module.parameters() if is_expert_param(p)}

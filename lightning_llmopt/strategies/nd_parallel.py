@@ -79,7 +79,8 @@ class NDParallelStrategy(ZeroStrategy):
         tensor_parallel: tensor-parallel degree (Megatron-style attention/MLP, vocab-parallel embedding and loss).
         context_parallel: context-parallel degree (the sequence of each row is split over these ranks).
         pipeline_parallel: reserved in the mesh; values > 1 arrive with pipeline parallelism.
-        expert_parallel: reserved in the mesh (borrowed from data parallel); values > 1 arrive with MoE.
+        expert_parallel: experts of MoE layers sharded over this many data-parallel ranks (all-to-all dispatch;
+            needs ``LlamaConfig(moe=...)``, ``zero_stage=0``, no TP/CP so far).
         zero_stage: 0 (gradients all-reduced over ``dp*cp``, optimizer state replicated), 1/2 (our ZeRO engine;
             not with tensor parallelism), 3 (FSDP2 over ``dp*cp``, 2-D with tensor parallelism).
         sequence_parallel: with TP, shard norms and residuals on the sequence.
@@ -127,10 +128,10 @@ class NDParallelStrategy(ZeroStrategy):
             ("expert_parallel", expert_parallel),
         ):
             positive_int(name, value)
-            if name in ("pipeline_parallel", "expert_parallel") and value > 1:
+            if name == "pipeline_parallel" and value > 1:
                 raise NotImplementedError(
-                    f"{name} ({value}) > 1 is not available yet (pipeline parallelism: issue 5, "
-                    "experts: issue 6); the mesh reserves its dimension"
+                    f"{name} ({value}) > 1 is not available yet (pipeline parallelism: issue 5); the mesh "
+                    "reserves its dimension"
                 )
         self._degrees: dict[str, Any] = {
             "data_parallel": data_parallel,

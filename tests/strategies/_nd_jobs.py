@@ -259,12 +259,18 @@ def parity_job(init_paths: dict[str, str], configs: list[dict[str, Any]]) -> lis
 
 
 def reshard_job(
-    init_path: str, root: str, save: dict[str, Any], load: dict[str, Any], split: int, total: int
+    init_path: str,
+    root: str,
+    save: dict[str, Any],
+    load: dict[str, Any],
+    split: int,
+    total: int,
+    module_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A run under ``save`` saving at ``split``; a run under ``load`` resuming from it (same pool)."""
     saver = SaveAt(split, root)
-    straight = summary(*fit(save, steps=total, init_path=init_path, callbacks=[saver]))
-    resumed = summary(*fit(load, steps=total, init_path=init_path, ckpt_path=root))
+    straight = summary(*fit(save, steps=total, init_path=init_path, callbacks=[saver], module_kwargs=module_kwargs))
+    resumed = summary(*fit(load, steps=total, init_path=init_path, ckpt_path=root, module_kwargs=module_kwargs))
     return {
         "straight": straight,
         "saved": saver.saved,

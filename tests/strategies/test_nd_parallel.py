@@ -99,7 +99,6 @@ def test_registered_name_resolves() -> None:
         ({"zero_stage": 4}, ValueError, r"zero_stage \(4\) must be 0, 1, 2 or 3"),
         ({"context_parallel_mode": "zigzag"}, ValueError, r"context_parallel_mode \('zigzag'\) must be one of"),
         ({"pipeline_parallel": 2}, NotImplementedError, r"pipeline_parallel \(2\) > 1 is not available yet"),
-        ({"expert_parallel": 2}, NotImplementedError, r"expert_parallel \(2\) > 1 is not available yet"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
@@ -140,6 +139,12 @@ def test_layout_errors_before_any_collective(dist_pool: Any) -> None:
         ),
         ({"tensor_parallel": 2, "zero_stage": 2}, None, J.SEQ, r"zero_stage \(2\) with tensor_parallel \(2\)"),
         ({"tensor_parallel": 2, "compile": True}, None, J.SEQ, r"compile=True with tensor_parallel \(2\)"),
+        (
+            {"expert_parallel": 2, "zero_stage": 0},
+            None,
+            J.SEQ,
+            r"expert_parallel \(2\) needs Mixture-of-Experts layers",
+        ),
         (
             {"context_parallel": 2},
             None,
