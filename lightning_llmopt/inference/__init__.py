@@ -4,6 +4,8 @@
   with :meth:`LLMEngine.from_pretrained` from our checkpoint folders, a Lightning ``.ckpt`` or a Hugging Face folder;
 - :class:`SamplingParams`: greedy, temperature, top-k, top-p, seed, max tokens, stop tokens, parallel samples;
 - :class:`EngineConfig`: block size, pool size, token budget, int8 KV, prefix caching, CUDA graphs, policy;
+- :class:`SpeculativeConfig` (``EngineConfig.speculative``): speculative decoding with a draft model, prompt lookup
+  or the target's quantized copy, adaptive draft length; :func:`speculative_verify` is the exact acceptance rule;
 - building blocks: :class:`BlockManager` / :class:`BlockAllocator` (reference counts, copy-on-write),
   :class:`RadixCache` (prefix tree, LRU), :class:`Scheduler`, :class:`KVPool`, :class:`PagedKVCache` (the models'
   KV-cache protocol over pages), :func:`calibrate_kv_scales`.
@@ -22,6 +24,7 @@ from lightning_llmopt.inference.quant import calibrate_kv_scales
 from lightning_llmopt.inference.request import Completion, CompletionOutput, RequestMetrics, StreamEvent
 from lightning_llmopt.inference.sampling import SamplingParams, sample
 from lightning_llmopt.inference.scheduler import Scheduler
+from lightning_llmopt.inference.speculative import SpeculativeConfig, speculative_verify
 from lightning_llmopt.inference.stats import EngineStats
 
 __all__ = [
@@ -41,8 +44,10 @@ __all__ = [
     "RequestMetrics",
     "SamplingParams",
     "Scheduler",
+    "SpeculativeConfig",
     "StreamEvent",
     "calibrate_kv_scales",
     "load_model",
     "sample",
+    "speculative_verify",
 ]

@@ -172,6 +172,15 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
 
+    def truncate(self, seq: HasBlockTable, num_tokens: int) -> None:
+        """Release the blocks past the first ``num_tokens`` positions (rolled-back speculative tokens) and cap
+        ``num_computed`` there."""
+        keep = self.blocks_for(num_tokens)
+        for b in seq.block_table[keep:]:
+            self._release(b)
+        del seq.block_table[keep:]
+        seq.num_computed = min(seq.num_computed, num_tokens)
+
     def release_before(self, seq: HasBlockTable, first_needed: int) -> None:
         """Release blocks whose every position is ``< first_needed`` (sliding window); their entries become 0."""
         last = min(first_needed // self.block_size, len(seq.block_table))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_llmopt.inference.speculative import SpeculativeConfig
+
 __all__ = ["EngineConfig"]
 
 KV_DTYPES = ("auto", "int8")
@@ -32,6 +34,8 @@ class EngineConfig:
         fused_kernels: fused Triton norm/RoPE/SiLU kernels in the forward pass (default: on CUDA with Triton).
         policy: ``"continuous"`` batching, or ``"static"`` (a new batch only once the last one finished).
         seed: seeds the engine's generator (requests without their own seed draw from it).
+        speculative: a :class:`~lightning_llmopt.inference.speculative.SpeculativeConfig` to decode speculatively
+            (draft model, prompt lookup or quantized self-drafting), or ``None``.
     """
 
     block_size: int = 16
@@ -49,6 +53,7 @@ class EngineConfig:
     fused_kernels: bool | None = None
     policy: str = "continuous"
     seed: int = 0
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -73,3 +78,5 @@ class EngineConfig:
         if any(s < 1 for s in sizes):
             raise ValueError(f"graph_batch_sizes ({self.graph_batch_sizes}) must be positive")
         self.graph_batch_sizes = sizes
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")

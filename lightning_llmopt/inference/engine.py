@@ -18,7 +18,7 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,9 +31,12 @@ from lightning_llmopt.inference.request import Completion, CompletionOutput, Req
 from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.runner import ModelRunner
 from lightning_llmopt.inference.sampling import SamplingParams, sample
-from lightning_llmopt.inference.scheduler import Scheduler, Work
+from lightning_llmopt.inference.scheduler import Schedule, Scheduler, Work
 from lightning_llmopt.inference.stats import EngineStats
 from lightning_llmopt.models.llama import Llama
+
+if TYPE_CHECKING:
+    from lightning_llmopt.inference.spec_decode import SpecItem
 
 __all__ = ["LLMEngine"]
 
@@ -111,6 +114,20 @@ class LLMEngine:
             )
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stats = EngineStats()
+        self.spec = None
+        if config.speculative is not None:
+            from lightning_llmopt.inference.spec_decode import SpeculativeDecoder
+
+            self.spec = SpeculativeDecoder(
+                config.speculative,
+                model,
+                self.blocks,
+                self.max_model_len,
+                config.max_num_batched_tokens,
+                self.generator,
+                self.stats,
+                config.attention_backend,
+            )
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
@@ -239,6 +256,8 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.finish(seq, "cancelled")
         req.cancelled = True
+        if self.spec is not None:
+            self.spec.release({s.seq_id for s in self.scheduler.running})
         req.metrics.finish_time = now()
         self.stats.cancelled += 1
         return True
@@ -255,11 +274,24 @@ class LLMEngine:
             if self.scheduler.has_work() and not self.scheduler.running:
                 raise RuntimeError("the scheduler could not admit any request (KV pool too small?)")
             return []
+        items = self.spec.extend(sched) if self.spec is not None else []
         self.pool.copy_blocks(sched.copies)
         work = ModelRunner.order(sched.work)
+        decode_only = all(w.samples and w.seq.num_output > 0 and w.start == w.seq.num_computed for w in work)
+        decode_only = decode_only and all(w.num_tokens == w.num_logits for w in work)
+        t0 = now()
         logits = self._forward(work)
-        self.scheduler.complete(sched)
-        events = self._sample(work, logits)
+        if self.spec is not None:
+            events = self._speculative_sample(work, logits, items, sched)
+            if decode_only:
+                if logits.is_cuda:
+                    torch.cuda.synchronize(logits.device)
+                self.spec.observe_step(sum(w.num_logits for w in work), now() - t0)
+        else:
+            self.scheduler.complete(sched)
+            events = self._sample(work, logits)
+        if decode_only:
+            self._record_decode(work, events, now() - start, bool(items))
         self.stats.steps += 1
         self.stats.preemptions += len(sched.preempted)
         self.stats.busy_s += now() - start
@@ -269,6 +301,51 @@ class LLMEngine:
         if self.graphs is not None and all(w.num_tokens == 1 for w in work) and self.graphs.fits(len(work)):
             return self.graphs.run(work)
         return self.runner.forward(self.runner.prepare(work))
+
+    def _speculative_sample(
+        self, work: list[Work], logits: torch.Tensor, items: list[SpecItem], sched: Schedule
+    ) -> list[StreamEvent]:
+        """Verify the speculating sequences' drafts, roll back the rejected ones, then sample the others."""
+        assert self.spec is not None
+        spec_of = {id(it.work): it for it in items}
+        plain_rows, plain_work, spec_rows = [], [], []
+        row = 0
+        for w in work:
+            if not w.samples:
+                continue
+            if id(w) in spec_of:
+                spec_rows.append(logits[row : row + w.num_logits])
+            else:
+                plain_rows.append(row)
+                plain_work.append(w)
+            row += w.num_logits
+        ordered = [spec_of[id(w)] for w in work if id(w) in spec_of]
+        if ordered:
+            self.spec.verify(ordered, spec_rows)  # shrinks each work to its accepted tokens
+        self.scheduler.complete(sched)
+        events = []
+        if plain_work:
+            events = self._sample(plain_work, logits.index_select(0, torch.tensor(plain_rows, device=logits.device)))
+        for it in ordered:
+            seq = it.work.seq
+            del seq.tokens[it.base_len :]  # the accepted drafts are appended again below, with stop checks
+            events.append(self._append_tokens(seq, [*it.drafts[: it.accepted], it.next_token]))
+            if not seq.finished:
+                self.blocks.truncate(seq, len(seq.tokens))  # blocks that only held rejected drafts
+        self.spec.release({s.seq_id for s in self.scheduler.running})
+        return events
+
+    def _record_decode(self, work: list[Work], events: list[StreamEvent], seconds: float, spec: bool) -> None:
+        st = self.stats
+        tokens = sum(len(e.token_ids) + (e.finish_reason == "stop") for e in events)
+        st.decode_seq_steps += len(work)
+        st.decode_tokens += tokens
+        if spec:
+            st.spec_decode_s += seconds
+            st.spec_decode_tokens += tokens
+        else:
+            st.plain_decode_s += seconds
+            st.plain_decode_tokens += tokens
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[StreamEvent]:
         rows, seqs = [], []
@@ -293,18 +370,25 @@ class LLMEngine:
         return [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
 
     def _append(self, seq: Seq, token: int) -> StreamEvent:
+        return self._append_tokens(seq, [token])
+
+    def _append_tokens(self, seq: Seq, tokens: list[int]) -> StreamEvent:
+        """Append sampled ``tokens`` in order, stopping at a stop token or the length limit (later ones dropped)."""
         req, p = seq.request, seq.request.params
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now()
         eos = getattr(self.tokenizer, "eos_id", None)
         reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
-            reason = "stop"
-        else:
+        for token in tokens:
+            if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
+                reason = "stop"
+                break
             seq.tokens.append(token)
             if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
                 reason = "length"
+                break
         if reason is not None:
+            seq.num_computed = min(seq.num_computed, len(seq.tokens))  # accepted drafts past a stop: not kept
             self.scheduler.finish(seq, reason)
             if req.finished:
                 req.metrics.finish_time = now()

@@ -106,7 +106,7 @@ class ModelRunner:
     def order(work: list[Work]) -> list[Work]:
         """The packing order :meth:`prepare` expects: decodes first, then prefill chunks.
 
-        Logit rows follow this order (restricted to the work that samples)."""
+        Logit rows follow this order (restricted to the work that samples, ``num_logits`` rows each)."""
         return [w for w in work if w.num_tokens == 1] + [w for w in work if w.num_tokens > 1]
 
     def prepare(self, work: list[Work]) -> StepInputs:
@@ -126,7 +126,7 @@ class ModelRunner:
             blk.append(b)
             slot.append(o)
             if w.samples:
-                logits_idx.append(len(ids) - 1)
+                logits_idx.extend(range(len(ids) - w.num_logits, len(ids)))
         dev = self.device
         max_blocks = max((len(w.seq.block_table) for w in dec), default=1)
         tables = np.zeros((nd, max_blocks), dtype=np.int32)

@@ -50,6 +50,7 @@ class Work:
     seq: Sequence
     start: int
     num_tokens: int
+    num_logits: int = 1  # logit rows returned when it samples: the last ``num_logits`` positions (speculation)
 
     @property
     def samples(self) -> bool:

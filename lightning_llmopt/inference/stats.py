@@ -16,7 +16,8 @@ class EngineStats:
 
     ``hit_rate`` is cached prompt tokens over prompt tokens of finished requests (first admission only: a
     preempted sequence's recomputation is not counted as a hit). ``throughput_tok_s`` is generated tokens over the
-    wall time spent inside ``step()``.
+    wall time spent inside ``step()``. With speculative decoding: ``acceptance_rate``,
+    ``tokens_per_step`` and ``measured_speedup`` (below).
     """
 
     requests: int = 0
@@ -28,6 +29,16 @@ class EngineStats:
     preemptions: int = 0
     cancelled: int = 0
     ttfts: list[float] = field(default_factory=list)
+    # speculative decoding (zero without it)
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted: int = 0  # of which accepted
+    spec_verifications: int = 0  # sequence-steps that verified at least one draft
+    decode_seq_steps: int = 0  # sequence-steps of decoding (one target pass for one sequence)
+    decode_tokens: int = 0  # tokens those emitted
+    spec_decode_s: float = 0.0  # time of decode-only steps where some sequence speculated ...
+    spec_decode_tokens: int = 0  # ... and the tokens they emitted
+    plain_decode_s: float = 0.0  # time of decode-only steps without speculation ...
+    plain_decode_tokens: int = 0  # ... and their tokens
 
     def record(self, metrics: RequestMetrics, generated: int) -> None:
         self.requests += 1
@@ -45,6 +56,24 @@ class EngineStats:
     def throughput_tok_s(self) -> float:
         return self.generated_tokens / self.busy_s if self.busy_s else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over verified draft tokens."""
+        return self.spec_accepted / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a decoding sequence gains per target pass (1 without speculation)."""
+        return self.decode_tokens / self.decode_seq_steps if self.decode_seq_steps else 0.0
+
+    @property
+    def measured_speedup(self) -> float:
+        """Decode throughput of steps with speculation over that of steps without, in this run (0 until both kinds
+        ran; an A/B run of the same workload with and without speculation is the cleaner measure)."""
+        if not (self.spec_decode_s and self.plain_decode_s and self.plain_decode_tokens):
+            return 0.0
+        return (self.spec_decode_tokens / self.spec_decode_s) / (self.plain_decode_tokens / self.plain_decode_s)
+
     def summary(self) -> dict[str, float]:
         """Hit tokens, time to first token and throughput in one flat dict."""
         ttft = sorted(self.ttfts)
@@ -61,6 +90,10 @@ class EngineStats:
             "steps": self.steps,
             "preemptions": self.preemptions,
             "cancelled": self.cancelled,
+            "spec_acceptance_rate": self.acceptance_rate,
+            "spec_tokens_per_step": self.tokens_per_step,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_measured_speedup": self.measured_speedup,
         }
 
     def reset(self) -> None:

@@ -1,0 +1,214 @@
+"""Drafters for speculative decoding: a separate small model, prompt lookup, and the target's quantized copy.
+
+A drafter proposes up to ``k`` tokens for each sequence of a decode batch (:meth:`Drafter.propose`), returning the
+tokens and, for drafters that sample, the distributions ``q`` they were drawn from (:mod:`.speculative`).
+
+- :class:`PromptLookupDrafter` (prompt lookup decoding): find the most recent earlier occurrence of the sequence's
+  last ``n`` tokens (``n`` from ``ngram_max`` down to ``ngram_min``) and propose the tokens that followed it.
+  Deterministic: ``q`` is one-hot.
+- :class:`ModelDrafter`: a small :class:`~lightning_llmopt.models.Llama` run by the engine's own machinery (a
+  :class:`~lightning_llmopt.inference.kv_pool.KVPool`, a :class:`BlockManager` and a
+  :class:`~lightning_llmopt.inference.runner.ModelRunner`) over its own paged cache. Per sequence it keeps the
+  tokens whose keys/values its cache holds; before drafting it keeps the longest prefix that still agrees with the
+  sequence (drafts the target rejected are rolled back, their blocks freed), computes the rest in one chunk, then
+  decodes ``k - 1`` more steps, all sequences batched.
+- :func:`quantized_drafter`: a :class:`ModelDrafter` over a copy of the target whose linear layers are RTN int8/int4
+  :class:`~lightning_llmopt.layers.quantized_linear.QuantizedLinear` (Triton kernel on CUDA, reference
+  dequantization elsewhere).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_llmopt.inference.block_manager import BlockManager, OutOfBlocks
+from lightning_llmopt.inference.kv_pool import KVPool
+from lightning_llmopt.inference.request import Sequence as Seq
+from lightning_llmopt.inference.runner import ModelRunner
+from lightning_llmopt.inference.sampling import SamplingParams, _filter
+from lightning_llmopt.inference.scheduler import Work
+from lightning_llmopt.models.llama import Llama
+
+__all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter", "Proposal", "draft_distribution", "quantized_drafter"]
+
+
+@dataclass
+class Proposal:
+    """Draft tokens of ``B`` sequences: ``tokens[b]`` (at most the ``k`` asked for, possibly none) and ``probs``
+    ``(B, K, V)`` fp32, the distribution each was drawn from (``None``: deterministic drafts, one-hot ``q``)."""
+
+    tokens: list[list[int]]
+    probs: Tensor | None = None
+
+
+class Drafter(Protocol):
+    def propose(
+        self, seqs: Sequence[Seq], ks: Sequence[int], generators: Sequence[torch.Generator | None]
+    ) -> Proposal: ...
+
+    def release(self, live: set[int]) -> None:
+        """Drop the state (and free the blocks) of every sequence id not in ``live``."""
+        ...
+
+
+def draft_distribution(logits: Tensor, params: SamplingParams) -> Tensor:
+    """``(V,)`` fp32 distribution a draft token is drawn from: the request's own temperature / top-k / top-p (any
+    ``q`` keeps speculative sampling exact; the closer to the target's, the more is accepted). Greedy: one-hot."""
+    if params.greedy:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(0, logits.argmax()[None], 1.0)
+    return torch.softmax(_filter(logits.float() / params.temperature, params.top_k, params.top_p), dim=-1)
+
+
+class PromptLookupDrafter:
+    """Prompt lookup decoding: propose the continuation of the latest earlier match of the sequence's suffix.
+
+    Arguments:
+        ngram_max, ngram_min: suffix lengths tried, longest first.
+    """
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        L = len(tokens)
+        if k <= 0 or L < 2:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
+            suffix = arr[L - n :]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)  # starts 0 .. L-1-n
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return [int(t) for t in arr[start : start + k]]
+        return []
+
+    def propose(self, seqs: Sequence[Seq], ks: Sequence[int], generators: Sequence[torch.Generator | None]) -> Proposal:
+        return Proposal([self.lookup(s.tokens, k) for s, k in zip(seqs, ks, strict=True)])
+
+    def release(self, live: set[int]) -> None:
+        return None
+
+
+@dataclass
+class _DraftSeq:
+    """A sequence as the drafter's cache sees it (duck-types what :class:`ModelRunner` and the blocks need)."""
+
+    tokens: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+class ModelDrafter:
+    """Draft with a small model over its own paged KV cache (module docstring).
+
+    Arguments:
+        model: the draft model (same vocabulary as the target; on the target's device).
+        num_blocks: KV blocks of the drafter's pool (null block included).
+        block_size: tokens per block.
+        backend: attention backend of its runner (``"auto"``, ``"triton"``, ``"reference"``).
+    """
+
+    def __init__(self, model: Llama, num_blocks: int, block_size: int, backend: str = "auto") -> None:
+        cfg = model.config
+        assert cfg.n_kv_heads is not None and cfg.head_dim is not None
+        self.model = model.eval()
+        device = model.tok_embeddings.weight.device if model.tok_embeddings is not None else torch.device("cpu")
+        dtype = model.tok_embeddings.weight.dtype if model.tok_embeddings is not None else torch.float32
+        self.pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.runner = ModelRunner(model, self.pool, backend, fused=None)
+        self.state: dict[int, _DraftSeq] = {}
+
+    def _sync(self, seq: Seq) -> _DraftSeq:
+        """Keep the cached prefix that agrees with ``seq.tokens`` (roll back rejected drafts), then copy the rest."""
+        ds = self.state.setdefault(seq.seq_id, _DraftSeq())
+        n, top = 0, min(len(ds.tokens), len(seq.tokens), ds.num_computed)
+        if top and ds.tokens[:top] == seq.tokens[:top]:
+            n = top
+        else:
+            while n < top and ds.tokens[n] == seq.tokens[n]:
+                n += 1
+        n = min(n, len(seq.tokens) - 1)  # at least one token to feed
+        del ds.tokens[n:]
+        ds.tokens.extend(seq.tokens[n:])
+        ds.num_computed = n
+        self._truncate(ds, n)
+        return ds
+
+    def _truncate(self, ds: _DraftSeq, num_tokens: int) -> None:
+        keep = self.blocks.blocks_for(num_tokens)
+        for b in ds.block_table[keep:]:
+            self.blocks.allocator.decref(b)
+        del ds.block_table[keep:]
+
+    def _forward(self, items: list[tuple[int, _DraftSeq]]) -> dict[int, Tensor]:
+        """One draft forward over every ``(row, seq)``'s uncomputed tokens: ``{row: logits (V,)}``."""
+        work = [Work(ds, ds.num_computed, len(ds.tokens) - ds.num_computed) for _, ds in items]  # type: ignore[arg-type]
+        by_id = {id(w): r for w, (r, _) in zip(work, items, strict=True)}
+        ordered = ModelRunner.order(work)
+        logits = self.runner.forward(self.runner.prepare(ordered))
+        for w in ordered:
+            w.seq.num_computed = w.start + w.num_tokens
+        return {by_id[id(w)]: logits[i] for i, w in enumerate(ordered)}
+
+    @torch.no_grad()
+    def propose(self, seqs: Sequence[Seq], ks: Sequence[int], generators: Sequence[torch.Generator | None]) -> Proposal:
+        K = max(ks, default=0)
+        V = self.model.config.vocab_size
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs = torch.zeros(len(seqs), max(K, 1), V, device=self.pool.device)
+        active: list[tuple[int, _DraftSeq]] = []
+        for r, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
+            if k <= 0:
+                continue
+            ds = self._sync(seq)
+            try:  # every position the k rounds write: up to len + k - 2
+                self.blocks.ensure(ds, len(ds.tokens) + k - 1)
+            except OutOfBlocks:
+                continue  # no room in the draft cache: this sequence does not speculate this step
+            active.append((r, ds))
+        for j in range(K):
+            items = [(r, ds) for r, ds in active if ks[r] > j]
+            if not items:
+                break
+            rows = self._forward(items)
+            for r, ds in items:
+                q = draft_distribution(rows[r], seqs[r].request.params)
+                if seqs[r].request.params.greedy:
+                    tok = int(q.argmax())
+                else:
+                    tok = int(torch.multinomial(q, 1, generator=generators[r]).item())
+                probs[r, j] = q
+                tokens[r].append(tok)
+                ds.tokens.append(tok)
+        return Proposal(tokens, probs[:, :K])
+
+    def release(self, live: set[int]) -> None:
+        for sid in [s for s in self.state if s not in live]:
+            ds = self.state.pop(sid)
+            self._truncate(ds, 0)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.state)
+
+
+def quantized_drafter(
+    target: Llama, bits: int, group_size: int | None, num_blocks: int, block_size: int, backend: str = "auto"
+) -> ModelDrafter:
+    """A :class:`ModelDrafter` over a copy of ``target`` with RTN ``bits``-bit weight-only linear layers (the
+    output head stays in full precision, as :class:`~lightning_llmopt.quantization.QuantConfig` skips it)."""
+    from lightning_llmopt.quantization import QuantConfig, quantize_model
+
+    draft = copy.deepcopy(target)
+    quantize_model(draft, QuantConfig(bits=bits, group_size=group_size, method="rtn"))
+    return ModelDrafter(draft, num_blocks, block_size, backend)
