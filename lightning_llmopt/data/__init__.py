@@ -14,7 +14,10 @@ from lightning_llmopt.data.curriculum import (
     staged,
 )
 from lightning_llmopt.data.datamodule import TextDataModule
+from lightning_llmopt.data.dedup import MinHashDeduplicator
+from lightning_llmopt.data.mixture import fixed_mixture, lp_mixture, take_tokens
 from lightning_llmopt.data.packing import StreamingPacker, best_fit, first_fit_decreasing, pack_rows, padding_waste
+from lightning_llmopt.data.quality import DocumentPreprocessor, QualityFilter
 from lightning_llmopt.data.sampler import ResumableDataLoader, ResumableShardedSampler
 from lightning_llmopt.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -22,7 +25,10 @@ __all__ = [
     "ByteTokenizer",
     "CurriculumSampler",
     "CurriculumSamplerFactory",
+    "DocumentPreprocessor",
     "HFTokenizer",
+    "MinHashDeduplicator",
+    "QualityFilter",
     "ResumableDataLoader",
     "ResumableShardedSampler",
     "StreamingPacker",
@@ -30,13 +36,16 @@ __all__ = [
     "best_fit",
     "default_corpus_files",
     "first_fit_decreasing",
+    "fixed_mixture",
     "linear",
     "load_tokenizer",
+    "lp_mixture",
     "pack_rows",
     "padding_waste",
     "root",
     "score_dataset",
     "seq_len_schedule",
     "staged",
+    "take_tokens",
     "read_documents",
 ]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -25,6 +25,7 @@ from lightning_llmopt.data.packed import (
     tokenize_with_lengths,
 )
 from lightning_llmopt.data.packing import ALGORITHMS
+from lightning_llmopt.data.quality import DocumentPreprocessor
 from lightning_llmopt.data.sampler import ResumableDataLoader, ResumableShardedSampler
 from lightning_llmopt.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -62,6 +63,8 @@ class TextDataModule(LightningDataModule):
         jsonl_key: field of each ``.jsonl`` record that holds the text.
         packing: ``None`` (concatenated chunks), ``"ffd"`` or ``"best_fit"`` (packed rows; see above).
         packing_buffer: documents held by the streaming packer at once (larger packs tighter).
+        preprocess: a :class:`~lightning_llmopt.data.quality.DocumentPreprocessor` (quality filters,
+            deduplication) run on the documents before tokenization; its report is :attr:`preprocess_report`.
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class TextDataModule(LightningDataModule):
         jsonl_key: str = "text",
         packing: str | None = None,
         packing_buffer: int = 1024,
+        preprocess: DocumentPreprocessor | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
@@ -91,7 +95,8 @@ class TextDataModule(LightningDataModule):
         _check_packing(packing, packing_buffer)
         if data_path is not None and not Path(data_path).expanduser().exists():
             raise FileNotFoundError(f"data_path {data_path!r} does not exist")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["preprocess"])
+        self.preprocess = preprocess
         self.data_path = data_path
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -122,12 +127,22 @@ class TextDataModule(LightningDataModule):
     def vocab_size(self) -> int:
         return self._tokenizer.vocab_size
 
-    def _documents(self) -> Iterator[str]:
+    def _raw_documents(self) -> Iterator[str]:
         if self.data_path is not None:
             yield from read_documents(self.data_path, jsonl_key=self.jsonl_key)
             return
         for path in default_corpus_files(self.max_bytes):
             yield path.read_text(encoding="utf-8", errors="replace")
+
+    def _documents(self) -> Iterator[str]:
+        if self.preprocess is None:
+            return self._raw_documents()
+        return self.preprocess(self._raw_documents())
+
+    @property
+    def preprocess_report(self) -> dict[str, Any] | None:
+        """What :attr:`preprocess` removed and why (after :meth:`setup`), or ``None`` without preprocessing."""
+        return self.preprocess.report if self.preprocess is not None else None
 
     @override
     def setup(self, stage: str) -> None:
@@ -137,6 +152,8 @@ class TextDataModule(LightningDataModule):
         self._docs = tokenize_with_lengths(self._documents(), self._tokenizer, self.max_bytes)
         self.num_documents = self._docs.lengths.numel()
         self.num_tokens = self._docs.tokens.numel()
+        if self.preprocess is not None:
+            rank_zero_info(f"TextDataModule preprocessing: {self.preprocess.report}")
         self._build_datasets()
 
     def enable_packing(self, algorithm: str = "ffd", buffer_size: int = 1024) -> None:
