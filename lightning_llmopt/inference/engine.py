@@ -24,6 +24,7 @@ import torch
 
 from lightning_llmopt.inference.block_manager import BlockManager
 from lightning_llmopt.inference.config import EngineConfig
+from lightning_llmopt.inference.inputs import Prompt, encode_prompt, prepare_batch, validate_prompt
 from lightning_llmopt.inference.kv_pool import KVPool, KVScales, block_bytes, blocks_from_free_memory
 from lightning_llmopt.inference.prefix_cache import RadixCache
 from lightning_llmopt.inference.quant import calibrate_kv_scales
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LLMEngine"]
 
-Prompt = str | Sequence[int] | torch.Tensor
 
 
 class LLMEngine:
@@ -164,49 +164,9 @@ class LLMEngine:
         return min(fitting, useful)
 
     # ------------------------------------------------------------------ requests
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a string prompt needs a tokenizer; pass token ids or LLMEngine(..., tokenizer=...)")
-            return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, torch.Tensor):
-            if prompt.ndim != 1 or prompt.is_floating_point():
-                raise ValueError(
-                    f"a tensor prompt must be 1-D integer token ids, got {prompt.dtype} {tuple(prompt.shape)}"
-                )
-            return [int(t) for t in prompt.tolist()]
-        tokens = list(prompt)
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
-            raise ValueError("a prompt must be a string or a sequence of integer token ids")
-        return tokens
-
     def _validate(self, prompt: Prompt, params: SamplingParams, truncate: bool) -> tuple[list[int], int]:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        tokens = self._encode(prompt)
-        if not tokens:
-            raise ValueError("empty prompt: at least one token is needed")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        params.check_vocab(vocab)
-        limit = self.max_model_len
-        dropped = 0
-        if len(tokens) + params.max_tokens > limit:
-            keep = limit - params.max_tokens
-            if not truncate:
-                raise ValueError(
-                    f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                    f"max_model_len ({limit}); shorten it or pass truncate=True to keep its last "
-                    f"{max(keep, 0)} tokens"
-                )
-            if keep < 1:
-                raise ValueError(
-                    f"max_tokens ({params.max_tokens}) leaves no room for a prompt in max_model_len ({limit})"
-                )
-            dropped = len(tokens) - keep
-            tokens = tokens[-keep:]
+        tokens, dropped = validate_prompt(prompt, params, truncate, self.tokenizer, self.model.config.vocab_size,
+                                          self.max_model_len)
         need = self.blocks.blocks_for(len(tokens) + params.max_tokens)
         if need > self.blocks.allocator.capacity:
             raise ValueError(
@@ -416,25 +376,7 @@ class LLMEngine:
         params: SamplingParams | Sequence[SamplingParams] | None,
         truncate: bool,
     ) -> list[tuple[list[int], SamplingParams, int]]:
-        if isinstance(prompts, (str, torch.Tensor)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if params is None or isinstance(params, SamplingParams):
-            plist = [params or SamplingParams()] * len(prompts)
-        else:
-            plist = list(params)
-            if len(plist) != len(prompts):
-                raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
-        batch = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
-            try:
-                tokens, dropped = self._validate(prompt, p, truncate)
-            except (ValueError, TypeError) as exc:
-                raise type(exc)(f"prompt {i}: {exc}") from None
-            batch.append((tokens, p, dropped))
-        return batch
+        return prepare_batch(prompts, params, lambda prompt, sp: self._validate(prompt, sp, truncate))
 
     def stream(
         self,
@@ -485,7 +427,7 @@ class LLMEngine:
         """Compute ``prompt`` into the prefix cache and pin it (never evicted); returns its tokens."""
         if self.prefix_cache is None:
             raise RuntimeError("pin_prefix needs enable_prefix_caching=True")
-        tokens = self._encode(prompt)
+        tokens = encode_prompt(prompt, self.tokenizer)
         self.generate([tokens], SamplingParams(max_tokens=1, ignore_eos=True))
         self.prefix_cache.pin(tokens)
         return tokens
@@ -497,7 +439,7 @@ class LLMEngine:
 
     def calibrate_kv(self, prompts: Iterable[Prompt], margin: float = 1.0) -> KVScales:
         """Calibrate (and install) the int8 KV scales from the keys/values the model produces on ``prompts``."""
-        scales = calibrate_kv_scales(self.model, [self._encode(p) for p in prompts], margin)
+        scales = calibrate_kv_scales(self.model, [encode_prompt(p, self.tokenizer) for p in prompts], margin)
         if self.pool.quantized:
             self.pool.set_scales(scales)
         return scales
