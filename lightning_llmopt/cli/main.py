@@ -6,6 +6,7 @@
     llmopt quantize hf_or_ckpt out/ --method gptq --bits 4 --group-size 128 --format gptq|compressed-tensors
     llmopt export quantized/ out/ --format compressed-tensors|gptq
     llmopt generate runs/ckpts --prompt "def fib(n):" --max-tokens 64
+    llmopt pipeline-plan --pp 4 --microbatches 8 --schedule interleaved_1f1b --virtual-stages 2
 
 Unless the configuration names loggers, the run logs to CSV and to Weights & Biases, offline when no API key is
 configured (``WANDB_API_KEY`` or a netrc entry), online otherwise; ``--wandb false`` turns W&B off.
@@ -103,7 +104,13 @@ class LLMOptCLI(LightningCLI):
             print("\n".join(lines), flush=True)
 
 
-_SUBCOMMANDS = {"consolidate": "consolidate", "quantize": "quantize", "export": "export", "generate": "generate"}
+_SUBCOMMANDS = {
+    "consolidate": "consolidate",
+    "quantize": "quantize",
+    "export": "export",
+    "generate": "generate",
+    "pipeline-plan": "pipeline_plan",
+}
 
 
 def main(args: list[str] | None = None) -> None:

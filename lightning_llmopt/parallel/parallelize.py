@@ -3,7 +3,7 @@
 Framework-free (no Lightning). For a model (or a container such as a LightningModule holding models):
 
 1. :func:`validate`: every check that can fail (degrees against the model's heads, kv heads, vocabulary and MLP;
-   Ulysses heads; ZeRO stage against the layout; pipeline/expert parallelism not yet available) raises ``ValueError``
+   Ulysses heads; ZeRO stage against the layout; combinations not available yet) raises ``ValueError``
    naming the values, before any collective;
 2. :func:`parallelize`: tensor (+ sequence) parallelism over ``mesh["tp"]``, context parallelism over ``mesh["cp"]``,
    activation checkpointing, ``torch.compile`` of each block, then ZeRO-3 (FSDP2 ``fully_shard`` of every block and the
@@ -108,10 +108,11 @@ def find_models(module: nn.Module) -> list[nn.Module]:
 
 def validate(module: nn.Module, dims: ParallelDims, config: NDConfig) -> list[nn.Module]:
     """All checks of :func:`parallelize`, with no collective; returns the models found."""
-    if dims.pp > 1:
+    if dims.pp > 1 and (dims.tp > 1 or dims.cp > 1 or dims.ep > 1):
+        # The stage split itself is validated by parallel.pipeline.validate_pipeline before this runs.
         raise NotImplementedError(
-            f"pipeline_parallel ({dims.pp}) > 1 arrives with pipeline parallelism (issue 5); "
-            "the mesh already reserves its 'pp' dimension"
+            f"pipeline_parallel ({dims.pp}) composes with data parallelism and ZeRO so far; got tensor_parallel "
+            f"({dims.tp}), context_parallel ({dims.cp}), expert_parallel ({dims.ep})"
         )
     if dims.ep > 1:
         _validate_ep(module, dims, config)

@@ -18,7 +18,7 @@ and the sharded atomic checkpoints:
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,8 +33,24 @@ from lightning_llmopt.parallel.context_parallel import shard_batch
 from lightning_llmopt.parallel.data_parallel import clip_grad_norm_, local_tensor
 from lightning_llmopt.parallel.loss_scaler import DynamicLossScaler
 from lightning_llmopt.parallel.mesh import ParallelDims, positive_int
-from lightning_llmopt.parallel.parallelize import NDConfig, Parallelized, materialize, parallelize, sync_gradients
+from lightning_llmopt.parallel.parallelize import (
+    NDConfig,
+    Parallelized,
+    find_models,
+    materialize,
+    parallelize,
+    sync_gradients,
+)
+from lightning_llmopt.parallel.pipeline import (
+    PipelineConfig,
+    PipelineRunner,
+    pipeline_grad_norm,
+    prune_to_stages,
+    stage_modules,
+    validate_pipeline,
+)
 from lightning_llmopt.parallel.zero import ZeroOptimizer
+from lightning_llmopt.strategies.nd_pipeline import LogCapture, Replay, model_path, replaced, take_rows
 from lightning_llmopt.strategies.zero import ZeroStrategy
 from lightning_llmopt.strategies.zero_precision import ZeroPrecision
 
@@ -42,13 +58,30 @@ __all__ = ["NDParallelStrategy", "NDPrecision"]
 
 
 class NDPrecision(ZeroPrecision):
-    """:class:`ZeroPrecision` whose clipping works on any mix of DTensor shards (global norm, one all-reduce)."""
+    """:class:`ZeroPrecision` whose clipping works on any mix of DTensor shards (global norm, one all-reduce); with
+    ``pipeline_parallel > 1`` (set by the strategy) the norm is over all stages."""
+
+    pipeline_parallel: int = 1
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         if isinstance(optimizer, ZeroOptimizer):
+            if self.pipeline_parallel > 1:
+                raise NotImplementedError(
+                    f"gradient clipping with zero_stage 1/2 and pipeline_parallel ({self.pipeline_parallel}) > 1 "
+                    "is not supported yet (the ZeRO engine's norm covers one stage); use zero_stage 0 or 3"
+                )
             return super().clip_grad_by_norm(optimizer, clip_val)
-        clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.pipeline_parallel > 1:
+            norm = pipeline_grad_norm([p for p in params if p.grad is not None], self.pipeline_parallel)
+            coef = (float(clip_val) / (norm + 1e-6)).clamp(max=1.0)
+            for p in params:
+                if p.grad is not None:
+                    g = local_tensor(p.grad)
+                    g.mul_(coef.to(g.device, g.dtype))
+            return None
+        clip_grad_norm_(params, float(clip_val))
         return None
 
     @override
@@ -78,7 +111,14 @@ class NDParallelStrategy(ZeroStrategy):
         data_parallel: data-parallel degree, or ``"auto"``: the world size over the other degrees.
         tensor_parallel: tensor-parallel degree (Megatron-style attention/MLP, vocab-parallel embedding and loss).
         context_parallel: context-parallel degree (the sequence of each row is split over these ranks).
-        pipeline_parallel: reserved in the mesh; values > 1 arrive with pipeline parallelism.
+        pipeline_parallel: pipeline stages over the ``"pp"`` mesh dimension (docs/pipeline.md).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``, ``"zbv"`` or ``"dualpipev"``.
+        microbatches: micro-batches per step (``None``: ``pipeline_parallel``, twice that for zbv/dualpipev); the
+            rows per data-parallel rank must be divisible by it.
+        virtual_stages: stages per pipeline rank (``None``: 1 for gpipe/1f1b, 2 for the others).
+        pipeline_split: ``"layers"`` (block count) or ``"cost"`` (FLOPs + parameters).
+        pipeline_balance_ends: Llama-3 balancing: the embedding and the head + loss count toward the first and last
+            stages, which then hold fewer blocks.
         expert_parallel: experts of MoE layers sharded over this many data-parallel ranks (all-to-all dispatch;
             needs ``LlamaConfig(moe=...)``, ``zero_stage=0``, no TP/CP so far).
         zero_stage: 0 (gradients all-reduced over ``dp*cp``, optimizer state replicated), 1/2 (our ZeRO engine;
@@ -117,6 +157,11 @@ class NDParallelStrategy(ZeroStrategy):
         ring_impl: str = "auto",
         offload_parameters: bool = False,
         reshard_after_forward: bool = True,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        virtual_stages: int | None = None,
+        pipeline_split: str = "layers",
+        pipeline_balance_ends: bool = False,
         **kwargs: Any,
     ) -> None:
         if data_parallel != "auto":
@@ -128,11 +173,17 @@ class NDParallelStrategy(ZeroStrategy):
             ("expert_parallel", expert_parallel),
         ):
             positive_int(name, value)
-            if name == "pipeline_parallel" and value > 1:
-                raise NotImplementedError(
-                    f"{name} ({value}) > 1 is not available yet (pipeline parallelism: issue 5); the mesh "
-                    "reserves its dimension"
-                )
+        self.pipeline_config = PipelineConfig(
+            pp=pipeline_parallel,
+            schedule=schedule,
+            microbatches=microbatches,
+            virtual_stages=virtual_stages,
+            split=pipeline_split,
+            balance_ends=pipeline_balance_ends,
+        )
+        if pipeline_parallel > 1:
+            _check_pipeline_combination(pipeline_parallel, tensor_parallel, context_parallel, expert_parallel,
+                                        zero_stage, self.pipeline_config.virtual_stages or 1, compile)
         self._degrees: dict[str, Any] = {
             "data_parallel": data_parallel,
             "tensor_parallel": tensor_parallel,
@@ -162,6 +213,9 @@ class NDParallelStrategy(ZeroStrategy):
         self._device_mesh: Any = None
         self._parallel: Parallelized | None = None
         self._sync_blocked = False
+        self._pipeline: PipelineRunner | None = None
+        self._pipeline_model = ""  # the model's path in the LightningModule
+        self._pipelined_step = False
 
     # ------------------------------------------------------------------ registration, precision, mesh
     @classmethod
@@ -234,6 +288,12 @@ class NDParallelStrategy(ZeroStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
+        pipelined = None
+        if self.dims.pp > 1:
+            if _user_parallelized(module):
+                raise ValueError(f"pipeline_parallel ({self.dims.pp}) needs an unparallelised model from "
+                                 "configure_model; the strategy splits it into stages")
+            pipelined = self._split_pipeline(module)
         if not _user_parallelized(module):
             device = torch.device("cpu") if self.nd_config.offload_parameters else self.root_device
             if not any(t.is_meta for t in module.parameters()):
@@ -243,11 +303,54 @@ class NDParallelStrategy(ZeroStrategy):
             self.nd_config.reduce_dtype = self.reduce_dtype
             self._parallel = parallelize(module, self._device_mesh, self.dims, self.nd_config)
             materialize(module, device, self._device_mesh, self.dims, self._parallel.fsdp, self.root_device)
+        if pipelined is not None:
+            model, split = pipelined
+            pp_rank = self.dims.coordinates(self.global_rank)["pp"]
+            self._pipeline = PipelineRunner(stage_modules(model, split, pp_rank), split, self.pipeline_config,
+                                            self._device_mesh["pp"].get_group(), self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.stage in (1, 2):
                 self._wrap_optimizers()
         self.setup_precision_plugin()
+        if isinstance(self.precision_plugin, NDPrecision):
+            self.precision_plugin.pipeline_parallel = self.dims.pp
+
+    def _split_pipeline(self, module: nn.Module) -> tuple[nn.Module, Any]:
+        """Validate (no collective) and keep only this rank's stages of the one decoder in ``module``."""
+        assert self.dims is not None
+        models = find_models(module)
+        if len(models) != 1:
+            raise ValueError(f"pipeline_parallel ({self.dims.pp}) needs exactly one decoder in "
+                             f"{type(module).__name__}, found {len(models)}")
+        model = models[0]
+        split = validate_pipeline(model, self.pipeline_config)
+        self._pipeline_model = model_path(module, model)
+        prune_to_stages(model, split, self.dims.coordinates(self.global_rank)["pp"])
+        return model, split
+
+    @override
+    def _wrap_optimizers(self) -> None:
+        """ZeRO-1/2 over the data-parallel ranks of this stage (``dp*cp``), not the whole world."""
+        assert self.dims is not None
+        if self.dims.pp == 1:
+            return super()._wrap_optimizers()
+        from lightning_llmopt.parallel.zero import apply_zero
+        from lightning_llmopt.strategies.zero import _repoint_scheduler
+
+        assert self.lightning_module is not None
+        wrapped = []
+        for opt in self.optimizers:
+            zero = apply_zero(self.lightning_module, opt, stage=self.stage, bucket_size_mb=self.bucket_size_mb,
+                              master_dtype=torch.float32, reduce_dtype=self.reduce_dtype,
+                              offload_optimizer=self.offload_optimizer,
+                              process_group=self._device_mesh["dp_cp"].get_group())
+            for config in self.lr_scheduler_configs:
+                if config.scheduler.optimizer is opt:
+                    _repoint_scheduler(config.scheduler, zero.optimizer)
+            wrapped.append(zero)
+        self.optimizers = wrapped  # type: ignore[assignment]
+        return None
 
     @override
     def model_to_device(self) -> None:
@@ -296,6 +399,107 @@ class NDParallelStrategy(ZeroStrategy):
                 )
             return batch
         return shard_batch(batch, cp.spec, multiple_of=self.dims.tp if sp else 1)
+
+    # ------------------------------------------------------------------ pipeline steps (docs/pipeline.md)
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Without pipeline parallelism: Lightning's. With it: run the schedule over micro-batches (the user's
+        ``training_step`` computes each micro-batch loss on the last stage, see ``strategies/nd_pipeline.py``) and
+        return the mean loss on every rank; gradients are already accumulated, so ``backward`` only syncs them."""
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None and self.dims is not None
+        batch = args[0] if args else kwargs.pop("batch")
+        rest = args[1:]
+        if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
+            raise TypeError(f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got "
+                            f"{type(batch).__name__}")
+        rows_total = batch["input_ids"].shape[0]
+        capture = LogCapture()
+
+        def loss_fn(output: Any, rows: Tensor) -> Tensor:
+            micro = take_rows(batch, rows, rows_total)
+            with replaced(module, self._pipeline_model, Replay(output)), capture.capturing(module):
+                out = module.training_step(micro, *rest, **kwargs)
+            loss = out.get("loss") if isinstance(out, dict) else out
+            if not isinstance(loss, Tensor):
+                raise TypeError("under pipeline parallelism training_step must return the loss (or a dict with it)")
+            return loss
+
+        batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
+        if batch_idx % max(int(getattr(module.trainer, "accumulate_grad_batches", 1)), 1) == 0:
+            # Lightning zeroes gradients between training_step and backward; the schedule's backward already ran,
+            # so zero them now (before it) and skip that one call (_skip_next_zero_grad)
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            self._skip_next_zero_grad()
+        with ExitStack() as stack:
+            stack.enter_context(self.precision_plugin.train_step_context())
+            for zero in self.zero_optimizers:  # reduce once after all micro-batches (below)
+                stack.enter_context(zero.no_sync())
+            mean = self._pipeline.train_step(batch, loss_fn)
+        if not self._sync_blocked:
+            for zero in self.zero_optimizers:
+                zero._sync_started = True  # step() -> synchronize() reduces every bucket in order
+        group = self._device_mesh["pp"].get_group()
+        last = self._pipeline.split.ranks[-1]
+        capture.replay(module, group, torch.distributed.get_global_rank(group, last), self.root_device)
+        self._pipelined_step = True
+        return mean
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._pipelined_step:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._pipelined_step = False  # the schedule ran forward and backward already
+        self._restore_zero_grad()
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _skip_next_zero_grad(self) -> None:
+        for opt in self.optimizers:
+            def skip(*args: Any, _opt: Any = opt, **kwargs: Any) -> None:
+                del _opt.zero_grad  # one call only: the class's method is back
+
+            opt.zero_grad = skip  # type: ignore[method-assign]
+
+    def _restore_zero_grad(self) -> None:
+        for opt in self.optimizers:
+            if "zero_grad" in vars(opt):
+                del opt.zero_grad
+
+    def _pipelined_eval(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None and self._pipeline is not None
+        batch = args[0] if args else kwargs["batch"]
+        if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
+            raise TypeError(f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got "
+                            f"{type(batch).__name__}")
+        output = self._pipeline.forward(batch)
+        with replaced(module, self._pipeline_model, Replay(output)):
+            return getattr(module, hook)(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self._pipelined_eval("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self._pipelined_eval("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self._pipelined_eval("predict_step", *args, **kwargs)
 
     @contextmanager
     @override
@@ -353,6 +557,23 @@ class NDParallelStrategy(ZeroStrategy):
         if "loss_scaler" in state and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         return None
+
+
+def _check_pipeline_combination(pp: int, tp: int, cp: int, ep: int, zero_stage: int, virtual_stages: int,
+                                compile: bool) -> None:
+    """Layouts pipeline parallelism does not compose with yet; named errors in ``__init__``."""
+    if tp > 1 or cp > 1 or ep > 1:
+        raise NotImplementedError(
+            f"pipeline_parallel ({pp}) composes with data parallelism and ZeRO so far; got tensor_parallel ({tp}), "
+            f"context_parallel ({cp}), expert_parallel ({ep})"
+        )
+    if zero_stage == 3 and virtual_stages > 1:
+        raise NotImplementedError(
+            f"zero_stage=3 with virtual_stages ({virtual_stages}) > 1 is not supported yet (FSDP2 wraps one "
+            "module per rank); use zero_stage 0, 1 or 2, or one stage per rank"
+        )
+    if compile:
+        raise NotImplementedError(f"compile=True with pipeline_parallel ({pp}) is not tested yet")
 
 
 NDParallelStrategy.register_strategies(StrategyRegistry)

@@ -95,8 +95,10 @@ def load_initial_weights(module: L.LightningModule, path: str | None) -> None:
     if path is not None and module.trainer.ckpt_path is None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        full = torch.load(path, weights_only=True)
+        own = set(module.state_dict())  # a pipeline stage holds a subset, under the full model's names
         set_model_state_dict(
-            module, torch.load(path, weights_only=True), options=StateDictOptions(full_state_dict=True)
+            module, {k: v for k, v in full.items() if k in own}, options=StateDictOptions(full_state_dict=True)
         )
 
 
@@ -174,6 +176,8 @@ class SaveAt(L.Callback):
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.root)
             self.saved = full_params(pl_module)
+            if getattr(getattr(trainer.strategy, "dims", None), "pp", 1) > 1:
+                self.saved = union_over_ranks(self.saved)
 
 
 def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -221,7 +225,8 @@ def fit(
     )
     dp, rank = 1, 0
     if nd is not None:
-        degrees = {k: v for k, v in nd.items() if k in ("data_parallel", "tensor_parallel", "context_parallel")}
+        names = ("data_parallel", "tensor_parallel", "context_parallel", "pipeline_parallel")
+        degrees = {k: v for k, v in nd.items() if k in names}
         dims = ParallelDims.resolve(world, **degrees)
         dp, rank = dims.dp, dims.coordinates(dist.get_rank())["dp"]
     data = Tokens(GLOBAL_BATCH * steps, packed=packed, seq=seq)
@@ -239,11 +244,19 @@ def summary(recorder: Recorder, trainer: L.Trainer) -> dict[str, Any]:
     if dist.is_initialized() and trainer.world_size > 1:
         dist.all_reduce(losses)
         losses /= trainer.world_size
-    return {
-        "losses": losses.tolist(),
-        "params": full_params(trainer.lightning_module),
-        "start_params": recorder.start_params,
-    }
+    params, start = full_params(trainer.lightning_module), recorder.start_params
+    if getattr(getattr(trainer.strategy, "dims", None), "pp", 1) > 1:  # each rank holds its stages: the union
+        params, start = union_over_ranks(params), union_over_ranks(start)
+    return {"losses": losses.tolist(), "params": params, "start_params": start}
+
+
+def union_over_ranks(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, tensors)
+    out: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        out.update(part)
+    return out
 
 
 def parity_job(init_paths: dict[str, str], configs: list[dict[str, Any]]) -> list[dict[str, Any]]:

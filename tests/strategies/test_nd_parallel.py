@@ -98,7 +98,6 @@ def test_registered_name_resolves() -> None:
         ({"data_parallel": "all"}, ValueError, r"data_parallel \('all'\) must be a positive integer"),
         ({"zero_stage": 4}, ValueError, r"zero_stage \(4\) must be 0, 1, 2 or 3"),
         ({"context_parallel_mode": "zigzag"}, ValueError, r"context_parallel_mode \('zigzag'\) must be one of"),
-        ({"pipeline_parallel": 2}, NotImplementedError, r"pipeline_parallel \(2\) > 1 is not available yet"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:

@@ -1,0 +1,99 @@
+"""``llmopt pipeline-plan``: each rank's F/B/W timeline of a pipeline schedule and its bubble fraction.
+
+    llmopt pipeline-plan --schedule 1f1b --pp 4 --microbatches 8 [--virtual-stages 2] [--png plan.png]
+    llmopt pipeline-plan --all --pp 4 --microbatches 8        # every schedule, one table
+
+Times are in units of one forward pass (backward 2, or input-gradient 1 + weight-gradient 1 for zero-bubble
+schedules; communication free), see :mod:`lightning_llmopt.parallel.pipeline_plan`. The PNG needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from lightning_llmopt.parallel.pipeline import SCHEDULES
+from lightning_llmopt.parallel.pipeline_plan import Plan, plan
+
+__all__ = ["main", "render_text"]
+
+
+def render_text(p: Plan) -> str:
+    """One line per rank: ``F3`` = forward of micro-batch 3 (``F3.1``: stage 1 of several on the rank); ``.`` idle."""
+    width = max(2 + len(str(p.microbatches)) + (2 if p.virtual_stages > 1 else 0), 3)
+    lines = [f"schedule {p.schedule}: pp={p.pp} microbatches={p.microbatches} virtual_stages={p.virtual_stages}"]
+    for r, ops in enumerate(p.timeline):
+        cells, t = [], 0.0
+        for start, end, op in ops:
+            cells += ["." * width] * int(round(start - t))
+            label = f"{op.kind}{op.microbatch}" + (f".{op.stage}" if p.virtual_stages > 1 else "")
+            cells += [label.ljust(width)] * int(round(end - start))
+            t = end
+        cells += ["." * width] * int(round(p.makespan - t))
+        lines.append(f"rank {r}: " + " ".join(cells))
+    theory = f"{p.theory:.4f}" if p.theory is not None else "n/a (zero bubble: see the simulated figure)"
+    lines.append(f"bubble: simulated {p.bubble:.4f}, theoretical {theory}; makespan {p.makespan:g} forward units")
+    return "\n".join(lines)
+
+
+def write_png(p: Plan, path: str) -> bool:
+    """Draw the timeline; ``False`` (and a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed (pip install matplotlib): {path} not written", file=sys.stderr)
+        return False
+    colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+    fig, ax = plt.subplots(figsize=(max(6.0, p.makespan * 0.25), 0.6 * p.pp + 1.2))
+    for r, ops in enumerate(p.timeline):
+        for start, end, op in ops:
+            ax.barh(r, end - start, left=start, color=colours[op.kind], edgecolor="black", linewidth=0.4)
+            ax.text((start + end) / 2, r, f"{op.kind}{op.microbatch}", ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(p.pp), [f"rank {r}" for r in range(p.pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (forward passes)")
+    theory = f", theory {p.theory:.3f}" if p.theory is not None else ""
+    ax.set_title(f"{p.schedule} P={p.pp} M={p.microbatches} V={p.virtual_stages}: bubble {p.bubble:.3f}{theory}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="llmopt pipeline-plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    parser.add_argument("--all", action="store_true", help="a bubble table of every schedule instead of a timeline")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks P")
+    parser.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches M")
+    parser.add_argument("--virtual-stages", "-v", type=int, default=None, help="stages per rank V")
+    parser.add_argument("--png", default=None, help="write the timeline as a PNG (needs matplotlib)")
+    args = parser.parse_args(argv)
+    if args.pp < 2 or args.microbatches < 1:
+        parser.error(f"--pp ({args.pp}) must be >= 2 and --microbatches ({args.microbatches}) >= 1")
+    names = sorted(SCHEDULES) if args.all else [args.schedule]
+    for name in names:
+        v = args.virtual_stages if args.virtual_stages is not None else SCHEDULES[name][3]
+        if not SCHEDULES[name][1]:
+            v = 1
+        try:
+            p = plan(name, args.pp, args.microbatches, v)
+        except (ValueError, NotImplementedError, AssertionError) as exc:
+            print(f"{name}: cannot plan pp={args.pp} microbatches={args.microbatches} virtual_stages={v}: {exc}")
+            continue
+        if args.all:
+            theory = f"{p.theory:.4f}" if p.theory is not None else "   n/a"
+            print(f"{name:17s} V={v}  simulated bubble {p.bubble:.4f}  theoretical {theory}")
+        else:
+            print(render_text(p))
+            if args.png:
+                if write_png(p, args.png):
+                    print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""NDParallelStrategy(pipeline_parallel=P) on CPU/gloo: parity with one process through Lightning's own loop for
+every schedule, PP=4, PP x DP, PP x ZeRO-2/3, clipping across stages, validation, checkpoints across pipeline
+layouts, and early errors.
+
+As in test_nd_parallel.py: ``CausalLMModule("tiny")`` (here with 4 or 8 blocks, so every stage holds one) trains 5
+AdamW steps in fp32 on the same global batches (4 rows of 16 tokens) from the same initial weights as Lightning's
+default single-process strategy; per-step losses and all parameters (the union over the stages, under the full
+model's names) must agree to 1e-6 relative. The user's ``training_step`` is CausalLMModule's, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed.pipelining as pipelining
+
+from lightning_llmopt import CausalLMModule
+from lightning_llmopt.strategies import NDParallelStrategy
+
+_spec = importlib.util.spec_from_file_location("_nd_jobs", Path(__file__).with_name("_nd_jobs.py"))
+assert _spec is not None and _spec.loader is not None
+J = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("_nd_jobs", J)
+_spec.loader.exec_module(J)
+
+TOL = 1e-6
+HAS_DUALPIPEV = hasattr(pipelining, "ScheduleDualPipeV")
+
+
+def _layers(n: int) -> dict[str, Any]:
+    return {"model_overrides": {"n_layers": n}}
+
+
+@pytest.fixture(scope="module")
+def init_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    root = tmp_path_factory.mktemp("pp")
+    paths = {}
+    for n in (2, 4, 8):
+        L.seed_everything(0, verbose=False)
+        module = CausalLMModule("tiny", **_layers(n))
+        module.configure_model()
+        paths[n] = str(root / f"llmopt{n}.pt")
+        torch.save({k: v.clone() for k, v in module.state_dict().items()}, paths[n])
+    return paths
+
+
+_REFS: dict[tuple[int, float | None], dict[str, Any]] = {}
+
+
+def _reference(init_paths: dict[int, str], n_layers: int, clip: float | None = None) -> dict[str, Any]:
+    key = (n_layers, clip)
+    if key not in _REFS:
+        _REFS[key] = J.summary(*J.fit(None, clip=clip, init_path=init_paths[n_layers], module_kwargs=_layers(n_layers)))
+        _REFS[key]["init"] = init_paths[n_layers]
+    return _REFS[key]
+
+
+def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([params[k].reshape(-1).double() for k in sorted(params)])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _assert_parity(result: dict[str, Any], ref: dict[str, Any], what: Any) -> dict[str, float]:
+    losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(ref["losses"])
+    assert len(losses) == len(ref_losses) == J.STEPS
+    loss_err = float(((losses - ref_losses).abs() / ref_losses.abs()).max())
+    assert sorted(result["params"]) == sorted(ref["params"]), what  # every parameter, on some stage, full names
+    param_err = _rel(_flat(result["params"]), _flat(ref["params"]))
+    assert loss_err <= TOL and param_err <= TOL, (what, loss_err, param_err)
+    init = torch.load(ref["init"], weights_only=True)
+    assert _rel(_flat(ref["params"]), _flat({k: init[k] for k in ref["params"]})) > 1e-3  # the weights moved
+    return {"loss": loss_err, "params": param_err}
+
+
+def _config(nd: dict[str, Any], n_layers: int = 4, clip: float | None = None) -> dict[str, Any]:
+    return {"nd": nd, "module_kwargs": _layers(n_layers), "clip": clip}
+
+
+def _run(pool: Any, init_paths: dict[int, str], configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    results = []
+    for n in sorted({c["module_kwargs"]["model_overrides"]["n_layers"] for c in configs}):
+        group = [c for c in configs if c["module_kwargs"]["model_overrides"]["n_layers"] == n]
+        out = pool.run(J.parity_job, {"llmopt": init_paths[n]}, group)[0]
+        results += list(zip(group, out, strict=True))
+    errors = []
+    for config, result in results:
+        n = config["module_kwargs"]["model_overrides"]["n_layers"]
+        errors.append(_assert_parity(result, _reference(init_paths, n, config["clip"]), config["nd"]))
+        print(f"parity {config['nd']} clip={config['clip']} n_layers={n}: {errors[-1]}")  # shown with -s
+    return errors
+
+
+# ------------------------------------------------------------------ acceptance: parity with one process
+PP2 = [
+    {"schedule": "gpipe", "microbatches": 4, "zero_stage": 0},
+    {"schedule": "1f1b", "microbatches": 2, "zero_stage": 0},
+    {"schedule": "interleaved_1f1b", "microbatches": 2, "zero_stage": 0},  # V=2: 4 stages of 1 block
+    {"schedule": "zero_bubble", "microbatches": 4, "zero_stage": 0},
+    {"schedule": "zbv", "microbatches": 4, "zero_stage": 0},
+    *([{"schedule": "dualpipev", "microbatches": 4, "zero_stage": 0}] if HAS_DUALPIPEV else []),
+]
+
+
+def test_every_schedule_two_ranks(dist_pool: Any, init_paths: dict[int, str]) -> None:
+    configs = [_config({"pipeline_parallel": 2, **nd}) for nd in PP2]
+    configs.append(
+        _config({"pipeline_parallel": 2, "schedule": "1f1b", "microbatches": 4, "zero_stage": 0}, clip=0.05)
+    )  # clipped by the global norm over both stages
+    _run(dist_pool(2), init_paths, configs)
+
+
+def test_pipeline_with_zero_two_ranks(dist_pool: Any, init_paths: dict[int, str]) -> None:
+    """PP x ZeRO on 2 ranks is a degenerate ZeRO group of one rank per stage; the 4-rank test shards for real."""
+    configs = [
+        _config({"pipeline_parallel": 2, "schedule": "1f1b", "microbatches": 2, "zero_stage": z}) for z in (2, 3)
+    ]
+    _run(dist_pool(2), init_paths, configs)
+
+
+def test_four_ranks(dist_pool: Any, init_paths: dict[int, str]) -> None:
+    configs = [
+        _config({"pipeline_parallel": 4, "schedule": "1f1b", "microbatches": 4, "zero_stage": 0}),
+        _config({"pipeline_parallel": 4, "schedule": "interleaved_1f1b", "microbatches": 4, "zero_stage": 0}, 8),
+        _config(
+            {"pipeline_parallel": 2, "data_parallel": 2, "schedule": "1f1b", "microbatches": 2, "zero_stage": 0}
+        ),  # PP x DP = 2 x 2
+        _config(
+            {"pipeline_parallel": 2, "data_parallel": 2, "schedule": "1f1b", "microbatches": 2, "zero_stage": 2}
+        ),  # PP x ZeRO-2 over 2 data-parallel ranks per stage
+        _config(
+            {"pipeline_parallel": 2, "data_parallel": 2, "schedule": "gpipe", "microbatches": 2, "zero_stage": 3}
+        ),  # PP x ZeRO-3 (FSDP2 over the 2 data-parallel ranks of each stage)
+    ]
+    _run(dist_pool(4), init_paths, configs)
+
+
+# ------------------------------------------------------------------ validation, checkpoints, errors
+def test_validation_matches_one_process(dist_pool: Any, init_paths: dict[int, str]) -> None:
+    """``Trainer.validate`` on packed rows (doc_ids reach every stage): the forward-only pass, the logits broadcast
+    over the stages, CausalLMModule's metrics and their cross-rank sync; on 4 ranks also with data parallelism."""
+    ref = J.validate(None, init_paths[2])
+    layouts = [{"pipeline_parallel": 2, "zero_stage": 0}, {"pipeline_parallel": 2, "zero_stage": 3}]
+    for layout, metrics in zip(layouts, dist_pool(2).run(J.validate_job, init_paths[2], layouts)[0], strict=True):
+        for key in ("val/loss", "val/ppl"):
+            assert abs(metrics[key] - ref[key]) <= TOL * ref[key], (layout, key, metrics[key], ref[key])
+
+
+def _assert_resumed(out: dict[str, Any], split: int) -> None:
+    assert out["folders"] == [f"step-{split:08d}"]
+    assert _rel(_flat(out["resumed"]["start_params"]), _flat(out["saved"])) == 0.0  # bitwise after the load
+    straight, resumed = out["straight"]["losses"][split:], out["resumed"]["losses"]
+    assert len(resumed) == len(straight) > 0
+    assert max(abs(a - b) / b for a, b in zip(resumed, straight, strict=True)) <= TOL
+    assert _rel(_flat(out["resumed"]["params"]), _flat(out["straight"]["params"])) <= TOL
+
+
+@pytest.mark.parametrize(
+    ("save", "load"),
+    [
+        ({"pipeline_parallel": 2, "zero_stage": 0}, {"data_parallel": 2, "zero_stage": 0}),  # PP=2 -> PP=1
+        ({"data_parallel": 2, "zero_stage": 0}, {"pipeline_parallel": 2, "zero_stage": 0}),  # PP=1 -> PP=2
+    ],
+)
+def test_checkpoint_across_pipeline_layouts(
+    dist_pool: Any, init_paths: dict[int, str], tmp_path: Path, save: dict[str, Any], load: dict[str, Any]
+) -> None:
+    """DCP keys are the full model's names on every stage: a checkpoint saved under one pipeline layout resumes
+    under the other with the saved weights exactly, and the continued run (AdamW state included) follows the
+    straight one."""
+    out = dist_pool(2).run(J.reshard_job, init_paths[4], str(tmp_path / "ckpt"), save, load, 3, 6, _layers(4))[0]
+    _assert_resumed(out, 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"pipeline_parallel": 2, "schedule": "gpipe", "virtual_stages": 2}, ValueError, r"virtual_stages \(2\)"),
+        (
+            {"pipeline_parallel": 4, "schedule": "1f1b", "microbatches": 2},
+            ValueError,
+            r"microbatches \(2\) must be >= pipeline_parallel \(4\) for 1F1B",
+        ),
+        ({"pipeline_parallel": 2, "tensor_parallel": 2}, NotImplementedError, r"tensor_parallel \(2\)"),
+    ],
+)
+def test_bad_pipeline_arguments_are_named(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        NDParallelStrategy(**kwargs)
+
+
+def _fit_expecting_error(nd: dict[str, Any], n_layers: int) -> str:
+    try:
+        J.fit(nd, steps=1, module_kwargs=_layers(n_layers))
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_model_and_batch_errors_before_any_collective(dist_pool: Any) -> None:
+    """Too few blocks for the stages (in setup) and rows not divisible by the micro-batches (per step) fail on
+    every rank alike, naming the values, before the schedule's first send."""
+    cases = [
+        (
+            {"pipeline_parallel": 2, "schedule": "interleaved_1f1b", "zero_stage": 0},
+            2,
+            r"n_layers \(2\) must be >= pipeline_parallel\*virtual_stages \(2\*2 = 4\)",
+        ),
+        (
+            {"pipeline_parallel": 2, "schedule": "gpipe", "microbatches": 3, "zero_stage": 0},
+            2,
+            r"batch size \(4 rows per data-parallel rank\) must be divisible by microbatches \(3\)",
+        ),
+    ]
+    pool = dist_pool(2)
+    for nd, n_layers, message in cases:
+        for text in pool.run(_fit_expecting_error, nd, n_layers):
+            assert re.search(message, text), (message, text)
