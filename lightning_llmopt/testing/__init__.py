@@ -5,6 +5,7 @@
 - :mod:`lightning_llmopt.testing.markers`: ``RunIf``, ``gpu``/``multigpu`` markers (imports pytest).
 - :mod:`lightning_llmopt.testing.triton`: running Triton kernels in the interpreter on CPU.
 - :mod:`lightning_llmopt.testing.data`: :class:`RandomTokens`, synthetic batches for tests and benchmarks.
+- :mod:`lightning_llmopt.testing.lightning_env`: :class:`PoolEnvironment`, a Trainer inside a pool worker.
 
 Importing this package imports neither pytest nor triton; ``RunIf`` and the markers load pytest on first access.
 """
@@ -22,6 +23,7 @@ from lightning_llmopt.testing.distributed import (
     get_pool,
     run_distributed,
 )
+from lightning_llmopt.testing.lightning_env import PoolEnvironment
 from lightning_llmopt.testing.triton import (
     enable_interpreter_without_cuda,
     triton_available,
@@ -36,6 +38,7 @@ __all__ = [
     "DistributedPool",
     "DistributedTaskError",
     "DistributedTimeoutError",
+    "PoolEnvironment",
     "RandomTokens",
     "close_all_pools",
     "enable_interpreter_without_cuda",

@@ -15,57 +15,19 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import ClusterEnvironment
 from torch.utils.data import Dataset
 
 from lightning_llmopt import CausalLMModule
 from lightning_llmopt.data.sampler import ResumableDataLoader, ResumableShardedSampler
 from lightning_llmopt.parallel.mesh import ParallelDims
 from lightning_llmopt.strategies import NDParallelStrategy
+from lightning_llmopt.testing.lightning_env import PoolEnvironment
 
 SEQ, GLOBAL_BATCH, VOCAB, STEPS = 16, 4, 320, 5
 # 3e-4 (CausalLMModule's default peak rate). At 3e-3 AdamW's normalised step amplifies fp32 rounding in the few
 # weights whose gradient is ~1e-8 (Adam's eps): there even fp32 against fp64 single-process training differs by
 # ~4e-6 after 5 steps, so no fp32 parallel run could be compared to 1e-6.
 LR = 3e-4
-
-
-class PoolEnvironment(ClusterEnvironment):
-    """The ranks of an already initialised default process group (one node)."""
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        return "127.0.0.1"
-
-    @property
-    def main_port(self) -> int:
-        return 0
-
-    @staticmethod
-    def detect() -> bool:
-        return dist.is_initialized()
-
-    def world_size(self) -> int:
-        return dist.get_world_size()
-
-    def set_world_size(self, size: int) -> None:
-        pass
-
-    def global_rank(self) -> int:
-        return dist.get_rank()
-
-    def set_global_rank(self, rank: int) -> None:
-        pass
-
-    def local_rank(self) -> int:
-        return dist.get_rank()
-
-    def node_rank(self) -> int:
-        return 0
 
 
 class Tokens(Dataset):

@@ -13,52 +13,14 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import ClusterEnvironment
 from torch.utils.data import Dataset
 
 from lightning_llmopt import CausalLMModule
 from lightning_llmopt.data.sampler import ResumableDataLoader, ResumableShardedSampler
 from lightning_llmopt.strategies import ZeroPrecision, ZeroStrategy
+from lightning_llmopt.testing.lightning_env import PoolEnvironment
 
 SEQ, GLOBAL_BATCH, VOCAB = 16, 4, 320
-
-
-class PoolEnvironment(ClusterEnvironment):
-    """The ranks of an already initialised default process group (one node)."""
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        return "127.0.0.1"
-
-    @property
-    def main_port(self) -> int:
-        return 0
-
-    @staticmethod
-    def detect() -> bool:
-        return dist.is_initialized()
-
-    def world_size(self) -> int:
-        return dist.get_world_size()
-
-    def set_world_size(self, size: int) -> None:
-        pass
-
-    def global_rank(self) -> int:
-        return dist.get_rank()
-
-    def set_global_rank(self, rank: int) -> None:
-        pass
-
-    def local_rank(self) -> int:
-        return dist.get_rank()
-
-    def node_rank(self) -> int:
-        return 0
 
 
 class Tokens(Dataset):
