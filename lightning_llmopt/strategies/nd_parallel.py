@@ -18,7 +18,7 @@ and the sharded atomic checkpoints:
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,7 +30,6 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_llmopt.parallel.context_parallel import shard_batch
-from lightning_llmopt.parallel.data_parallel import clip_grad_norm_, local_tensor
 from lightning_llmopt.parallel.loss_scaler import DynamicLossScaler
 from lightning_llmopt.parallel.mesh import ParallelDims, positive_int
 from lightning_llmopt.parallel.parallelize import (
@@ -44,55 +43,16 @@ from lightning_llmopt.parallel.parallelize import (
 from lightning_llmopt.parallel.pipeline import (
     PipelineConfig,
     PipelineRunner,
-    pipeline_grad_norm,
     prune_to_stages,
     stage_modules,
     validate_pipeline,
 )
-from lightning_llmopt.parallel.zero import ZeroOptimizer
-from lightning_llmopt.strategies.nd_pipeline import LogCapture, Replay, model_path, replaced, take_rows
+from lightning_llmopt.strategies.nd_pipeline import PipelineSteps, check_pipeline_combination, model_path
+from lightning_llmopt.strategies.nd_precision import NDPrecision
 from lightning_llmopt.strategies.zero import ZeroStrategy
 from lightning_llmopt.strategies.zero_precision import ZeroPrecision
 
 __all__ = ["NDParallelStrategy", "NDPrecision"]
-
-
-class NDPrecision(ZeroPrecision):
-    """:class:`ZeroPrecision` whose clipping works on any mix of DTensor shards (global norm, one all-reduce); with
-    ``pipeline_parallel > 1`` (set by the strategy) the norm is over all stages."""
-
-    pipeline_parallel: int = 1
-
-    @override
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        if isinstance(optimizer, ZeroOptimizer):
-            if self.pipeline_parallel > 1:
-                raise NotImplementedError(
-                    f"gradient clipping with zero_stage 1/2 and pipeline_parallel ({self.pipeline_parallel}) > 1 "
-                    "is not supported yet (the ZeRO engine's norm covers one stage); use zero_stage 0 or 3"
-                )
-            return super().clip_grad_by_norm(optimizer, clip_val)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if self.pipeline_parallel > 1:
-            norm = pipeline_grad_norm([p for p in params if p.grad is not None], self.pipeline_parallel)
-            coef = (float(clip_val) / (norm + 1e-6)).clamp(max=1.0)
-            for p in params:
-                if p.grad is not None:
-                    g = local_tensor(p.grad)
-                    g.mul_(coef.to(g.device, g.dtype))
-            return None
-        clip_grad_norm_(params, float(clip_val))
-        return None
-
-    @override
-    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
-        if isinstance(optimizer, ZeroOptimizer):
-            return super().clip_grad_by_value(optimizer, clip_val)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    local_tensor(p.grad).clamp_(-clip_val, clip_val)
-        return None
 
 
 def _user_parallelized(module: nn.Module) -> bool:
@@ -104,7 +64,7 @@ def _user_parallelized(module: nn.Module) -> bool:
     )
 
 
-class NDParallelStrategy(ZeroStrategy):
+class NDParallelStrategy(PipelineSteps, ZeroStrategy):
     """Data, tensor, sequence and context parallelism with ZeRO, composed on one named ``DeviceMesh``.
 
     Arguments:
@@ -182,7 +142,7 @@ class NDParallelStrategy(ZeroStrategy):
             balance_ends=pipeline_balance_ends,
         )
         if pipeline_parallel > 1:
-            _check_pipeline_combination(pipeline_parallel, tensor_parallel, context_parallel, expert_parallel,
+            check_pipeline_combination(pipeline_parallel, tensor_parallel, context_parallel, expert_parallel,
                                         zero_stage, self.pipeline_config.virtual_stages or 1, compile)
         self._degrees: dict[str, Any] = {
             "data_parallel": data_parallel,
@@ -400,107 +360,6 @@ class NDParallelStrategy(ZeroStrategy):
             return batch
         return shard_batch(batch, cp.spec, multiple_of=self.dims.tp if sp else 1)
 
-    # ------------------------------------------------------------------ pipeline steps (docs/pipeline.md)
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Without pipeline parallelism: Lightning's. With it: run the schedule over micro-batches (the user's
-        ``training_step`` computes each micro-batch loss on the last stage, see ``strategies/nd_pipeline.py``) and
-        return the mean loss on every rank; gradients are already accumulated, so ``backward`` only syncs them."""
-        if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
-        module = self.lightning_module
-        assert module is not None and self.dims is not None
-        batch = args[0] if args else kwargs.pop("batch")
-        rest = args[1:]
-        if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
-            raise TypeError(f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got "
-                            f"{type(batch).__name__}")
-        rows_total = batch["input_ids"].shape[0]
-        capture = LogCapture()
-
-        def loss_fn(output: Any, rows: Tensor) -> Tensor:
-            micro = take_rows(batch, rows, rows_total)
-            with replaced(module, self._pipeline_model, Replay(output)), capture.capturing(module):
-                out = module.training_step(micro, *rest, **kwargs)
-            loss = out.get("loss") if isinstance(out, dict) else out
-            if not isinstance(loss, Tensor):
-                raise TypeError("under pipeline parallelism training_step must return the loss (or a dict with it)")
-            return loss
-
-        batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
-        if batch_idx % max(int(getattr(module.trainer, "accumulate_grad_batches", 1)), 1) == 0:
-            # Lightning zeroes gradients between training_step and backward; the schedule's backward already ran,
-            # so zero them now (before it) and skip that one call (_skip_next_zero_grad)
-            for opt in self.optimizers:
-                opt.zero_grad(set_to_none=True)
-            self._skip_next_zero_grad()
-        with ExitStack() as stack:
-            stack.enter_context(self.precision_plugin.train_step_context())
-            for zero in self.zero_optimizers:  # reduce once after all micro-batches (below)
-                stack.enter_context(zero.no_sync())
-            mean = self._pipeline.train_step(batch, loss_fn)
-        if not self._sync_blocked:
-            for zero in self.zero_optimizers:
-                zero._sync_started = True  # step() -> synchronize() reduces every bucket in order
-        group = self._device_mesh["pp"].get_group()
-        last = self._pipeline.split.ranks[-1]
-        capture.replay(module, group, torch.distributed.get_global_rank(group, last), self.root_device)
-        self._pipelined_step = True
-        return mean
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if not self._pipelined_step:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._pipelined_step = False  # the schedule ran forward and backward already
-        self._restore_zero_grad()
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    def _skip_next_zero_grad(self) -> None:
-        for opt in self.optimizers:
-            def skip(*args: Any, _opt: Any = opt, **kwargs: Any) -> None:
-                del _opt.zero_grad  # one call only: the class's method is back
-
-            opt.zero_grad = skip  # type: ignore[method-assign]
-
-    def _restore_zero_grad(self) -> None:
-        for opt in self.optimizers:
-            if "zero_grad" in vars(opt):
-                del opt.zero_grad
-
-    def _pipelined_eval(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None and self._pipeline is not None
-        batch = args[0] if args else kwargs["batch"]
-        if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
-            raise TypeError(f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got "
-                            f"{type(batch).__name__}")
-        output = self._pipeline.forward(batch)
-        with replaced(module, self._pipeline_model, Replay(output)):
-            return getattr(module, hook)(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        with self.precision_plugin.val_step_context():
-            return self._pipelined_eval("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().test_step(*args, **kwargs)
-        with self.precision_plugin.test_step_context():
-            return self._pipelined_eval("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().predict_step(*args, **kwargs)
-        with self.precision_plugin.predict_step_context():
-            return self._pipelined_eval("predict_step", *args, **kwargs)
-
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -557,23 +416,6 @@ class NDParallelStrategy(ZeroStrategy):
         if "loss_scaler" in state and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         return None
-
-
-def _check_pipeline_combination(pp: int, tp: int, cp: int, ep: int, zero_stage: int, virtual_stages: int,
-                                compile: bool) -> None:
-    """Layouts pipeline parallelism does not compose with yet; named errors in ``__init__``."""
-    if tp > 1 or cp > 1 or ep > 1:
-        raise NotImplementedError(
-            f"pipeline_parallel ({pp}) composes with data parallelism and ZeRO so far; got tensor_parallel ({tp}), "
-            f"context_parallel ({cp}), expert_parallel ({ep})"
-        )
-    if zero_stage == 3 and virtual_stages > 1:
-        raise NotImplementedError(
-            f"zero_stage=3 with virtual_stages ({virtual_stages}) > 1 is not supported yet (FSDP2 wraps one "
-            "module per rank); use zero_stage 0, 1 or 2, or one stage per rank"
-        )
-    if compile:
-        raise NotImplementedError(f"compile=True with pipeline_parallel ({pp}) is not tested yet")
 
 
 NDParallelStrategy.register_strategies(StrategyRegistry)

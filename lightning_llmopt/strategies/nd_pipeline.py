@@ -16,14 +16,14 @@ the user's step with the model replaced by a stand-in that returns the pipeline'
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["LogCapture", "Replay", "model_path", "replaced", "take_rows"]
+__all__ = ["LogCapture", "PipelineSteps", "Replay", "check_pipeline_combination", "model_path", "replaced", "take_rows"]
 
 
 class Replay(nn.Module):
@@ -113,3 +113,127 @@ class LogCapture:
         for name, value, kwargs in payload[0]:
             module.log(name, value.to(device) if isinstance(value, Tensor) else value, **kwargs)
         self.records = {}
+
+
+class PipelineSteps:
+    """Step hooks of :class:`~lightning_llmopt.strategies.NDParallelStrategy` (mixed in before the Lightning
+    strategy): with a pipeline (``self._pipeline``) they run the schedule, otherwise they defer to the strategy."""
+
+    _pipeline: Any
+    _pipeline_model: Any
+    _pipelined_step: bool
+    _sync_blocked: bool
+    _device_mesh: Any
+    dims: Any
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Without pipeline parallelism: Lightning's. With it: run the schedule over micro-batches (the user's
+        ``training_step`` computes each micro-batch loss on the last stage, see ``strategies/nd_pipeline.py``) and
+        return the mean loss on every rank; gradients are already accumulated, so ``backward`` only syncs them."""
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None and self.dims is not None
+        batch = args[0] if args else kwargs.pop("batch")
+        rest = args[1:]
+        if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
+            raise TypeError(f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got "
+                            f"{type(batch).__name__}")
+        rows_total = batch["input_ids"].shape[0]
+        capture = LogCapture()
+
+        def loss_fn(output: Any, rows: Tensor) -> Tensor:
+            micro = take_rows(batch, rows, rows_total)
+            with replaced(module, self._pipeline_model, Replay(output)), capture.capturing(module):
+                out = module.training_step(micro, *rest, **kwargs)
+            loss = out.get("loss") if isinstance(out, dict) else out
+            if not isinstance(loss, Tensor):
+                raise TypeError("under pipeline parallelism training_step must return the loss (or a dict with it)")
+            return loss
+
+        batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
+        if batch_idx % max(int(getattr(module.trainer, "accumulate_grad_batches", 1)), 1) == 0:
+            # Lightning zeroes gradients between training_step and backward; the schedule's backward already ran,
+            # so zero them now (before it) and skip that one call (_skip_next_zero_grad)
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
+            self._skip_next_zero_grad()
+        with ExitStack() as stack:
+            stack.enter_context(self.precision_plugin.train_step_context())
+            for zero in self.zero_optimizers:  # reduce once after all micro-batches (below)
+                stack.enter_context(zero.no_sync())
+            mean = self._pipeline.train_step(batch, loss_fn)
+        if not self._sync_blocked:
+            for zero in self.zero_optimizers:
+                zero._sync_started = True  # step() -> synchronize() reduces every bucket in order
+        group = self._device_mesh["pp"].get_group()
+        last = self._pipeline.split.ranks[-1]
+        capture.replay(module, group, torch.distributed.get_global_rank(group, last), self.root_device)
+        self._pipelined_step = True
+        return mean
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._pipelined_step:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._pipelined_step = False  # the schedule ran forward and backward already
+        self._restore_zero_grad()
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _skip_next_zero_grad(self) -> None:
+        for opt in self.optimizers:
+            def skip(*args: Any, _opt: Any = opt, **kwargs: Any) -> None:
+                del _opt.zero_grad  # one call only: the class's method is back
+
+            opt.zero_grad = skip  # type: ignore[method-assign]
+
+    def _restore_zero_grad(self) -> None:
+        for opt in self.optimizers:
+            if "zero_grad" in vars(opt):
+                del opt.zero_grad
+
+    def _pipelined_eval(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None and self._pipeline is not None
+        batch = args[0] if args else kwargs["batch"]
+        if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
+            raise TypeError(f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got "
+                            f"{type(batch).__name__}")
+        output = self._pipeline.forward(batch)
+        with replaced(module, self._pipeline_model, Replay(output)):
+            return getattr(module, hook)(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self._pipelined_eval("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self._pipelined_eval("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self._pipelined_eval("predict_step", *args, **kwargs)
+
+
+def check_pipeline_combination(pp: int, tp: int, cp: int, ep: int, zero_stage: int, virtual_stages: int,
+                                compile: bool) -> None:
+    """Layouts pipeline parallelism does not compose with yet; named errors in ``__init__``."""
+    if tp > 1 or cp > 1 or ep > 1:
+        raise NotImplementedError(
+            f"pipeline_parallel ({pp}) composes with data parallelism and ZeRO so far; got tensor_parallel ({tp}), "
+            f"context_parallel ({cp}), expert_parallel ({ep})"
+        )
+    if zero_stage == 3 and virtual_stages > 1:
+        raise NotImplementedError(
+            f"zero_stage=3 with virtual_stages ({virtual_stages}) > 1 is not supported yet (FSDP2 wraps one "
+            "module per rank); use zero_stage 0, 1 or 2, or one stage per rank"
+        )
+    if compile:
+        raise NotImplementedError(f"compile=True with pipeline_parallel ({pp}) is not tested yet")
