@@ -258,8 +258,9 @@ class Llama(nn.Module):
         for block in self.layers.values():  # MoE: only top_k of the num_experts experts run per token
             ffn = block.feed_forward
             if hasattr(ffn, "init_experts"):
-                per_expert = (ffn.w1.numel() + ffn.w2.numel() + ffn.w3.numel()) // ffn.w1.shape[0]
-                n -= per_expert * (ffn.w1.shape[0] - ffn.config.top_k * ffn.w1.shape[0] / ffn.num_experts)
+                e = ffn.experts
+                per_expert = (e.w1.numel() + e.w2.numel() + e.w3.numel()) // e.w1.shape[0]
+                n -= per_expert * (e.w1.shape[0] - ffn.config.top_k * e.w1.shape[0] / ffn.num_experts)
         ctx = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
         attn = cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx
         return (6 * n + 6 * attn) if training else (2 * n + 2 * attn)

@@ -65,16 +65,52 @@ class LocalDispatcher:
         idx = torch.nonzero(keep).squeeze(1)
         order = idx[torch.argsort(experts[idx], stable=True)]
         counts = torch.bincount(experts[order], minlength=layer.num_experts)
-        y = expert_swiglu(x[tokens[order]], counts, layer.w1, layer.w2, layer.w3)
+        y = layer.experts(x[tokens[order]], counts)
         weights = routing.weights.reshape(n * k)[order, None]
         y = y.to(weights.dtype) * weights
         return torch.zeros(n, x.shape[1], device=x.device, dtype=weights.dtype).index_add_(0, tokens[order], y)
 
 
+class GroupedExperts(nn.Module):
+    """The routed experts' stacked SwiGLU weights (a module of their own, so that parallel plans can shard them
+    apart from the router and shared experts): ``w1``, ``w3`` ``(E, H, D)``, ``w2`` ``(E, D, H)``."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        # Multiplies the weights' gradients (identity forward). Expert parallelism sets 1/ep: the all-to-all
+        # backward sums the EP group's contributions, and the scale turns that sum into the mean the replicated
+        # weights get, so plain averaging over the expert's replicas (DDP-style or FSDP2) finishes the job.
+        self.grad_scale = 1.0
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """SwiGLU of expert-sorted rows with ``counts`` rows per (local) expert. Going through ``forward`` lets
+        wrappers such as FSDP2 gather the weights first; expert-parallel weights (``DTensor`` shards over the
+        experts) are used through their local experts."""
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        return expert_swiglu(x, counts, w1, w2, w3)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
 class MoEFeedForward(nn.Module):
     """Routed experts (+ shared experts) in place of a dense SwiGLU; ``(B, T, D) -> (B, T, D)``.
 
-    Parameters: ``router.weight`` ``(E, D)``; ``w1``, ``w3`` ``(E, H, D)``; ``w2`` ``(E, D, H)``; optional
+    Parameters: ``router.weight`` ``(E, D)``; ``experts.w1``, ``experts.w3`` ``(E, H, D)``; ``experts.w2``
+    ``(E, D, H)``; optional
     ``shared`` (a dense ``FeedForward``). Buffers: ``balance_bias`` ``(E,)`` (``aux_free``), ``load`` ``(E,)`` (kept
     assignments per expert since the last :func:`update_balance_bias`), ``dropped`` (scalar).
     """
@@ -87,9 +123,7 @@ class MoEFeedForward(nn.Module):
         self.num_experts = config.num_experts
         hidden = config.expert_hidden_dim or dense_hidden_dim
         self.router = nn.Linear(dim, config.num_experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(config.num_experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(config.num_experts, hidden, dim))
-        self.w2 = nn.Parameter(torch.empty(config.num_experts, dim, hidden))
+        self.experts = GroupedExperts(config.num_experts, dim, hidden)
         self.shared = FeedForward(dim, hidden * config.num_shared_experts) if config.num_shared_experts else None
         self.register_buffer("balance_bias", torch.zeros(config.num_experts))
         self.register_buffer("load", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
@@ -111,9 +145,9 @@ class MoEFeedForward(nn.Module):
     @torch.no_grad()
     def init_experts(self, std: float, out_std: float) -> None:
         """Expert weights ``w1``, ``w3`` ~ N(0, std), ``w2`` ~ N(0, out_std); balance bias and counters zero."""
-        nn.init.normal_(self.w1, std=std)
-        nn.init.normal_(self.w3, std=std)
-        nn.init.normal_(self.w2, std=out_std)
+        nn.init.normal_(self.experts.w1, std=std)
+        nn.init.normal_(self.experts.w3, std=std)
+        nn.init.normal_(self.experts.w2, std=out_std)
         self.balance_bias.zero_()
         self.load.zero_()
         self.dropped.zero_()

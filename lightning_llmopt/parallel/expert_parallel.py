@@ -14,9 +14,10 @@ Per MoE layer and step (GShard's dispatch/combine, with uneven splits instead of
 Both all-to-alls are differentiable (:class:`_AllToAll`: backward is the reverse exchange). The split sizes are
 read on the host (one synchronisation per layer), as any uneven all-to-all needs.
 
-Gradients: a rank's loss is the mean over its own tokens, so :func:`reduce_gradients` averages the replicated
-parameters over the whole data-parallel world and sums each expert's gradient over the ranks that hold a copy of it
-(the expert-data-parallel group) before dividing by the same world size. The EP group is borrowed from the
+Gradients: a rank's loss is the mean over its own tokens; the all-to-all backward sums the EP group's contributions
+to each expert, and ``GroupedExperts.grad_scale = 1/ep`` turns that sum into the mean, so :func:`reduce_gradients`
+averages the replicated parameters over the whole data-parallel world and each expert over the ranks holding a copy
+of it (the expert-data-parallel group); FSDP2 over those ranks does the same. The EP group is borrowed from the
 data-parallel ranks: with ``dp`` data-parallel ranks and ``ep`` dividing it, ranks ``{j*ep .. j*ep+ep-1}`` form an
 EP group and ranks ``{i, i+ep, ...}`` hold the same experts.
 """
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_llmopt.models.moe import MoEFeedForward, expert_swiglu, moe_layers
+from lightning_llmopt.models.moe import MoEFeedForward, moe_layers
 from lightning_llmopt.models.moe_routing import Routing
 
 __all__ = ["AllToAllDispatcher", "apply_expert_parallel", "expert_groups", "is_expert_param", "reduce_gradients"]
@@ -76,8 +77,7 @@ class AllToAllDispatcher:
         local_ids = torch.arange(local, device=x.device).repeat(ep)
         row_expert = torch.repeat_interleave(local_ids, recv_by_src.reshape(-1))
         perm = torch.argsort(row_expert, stable=True)  # (source, expert) -> (expert, source)
-        w1, w2, w3 = (_local(w) for w in (layer.w1, layer.w2, layer.w3))
-        y_sorted = expert_swiglu(rows[perm], recv_by_src.sum(0), w1, w2, w3)
+        y_sorted = layer.experts(rows[perm], recv_by_src.sum(0))
         y = torch.empty_like(y_sorted).index_copy(0, perm, y_sorted)  # back to (source, expert) order
         back = _AllToAll.apply(y, send, recv, self.group)  # (M, D) in this rank's sorted order
         weights = routing.weights.reshape(n * k)[order, None]
@@ -124,7 +124,7 @@ def apply_expert_parallel(model: nn.Module, group: Any) -> list[MoEFeedForward]:
         local = layer.config.num_experts // ep
         sl = slice(rank * local, (rank + 1) * local)
         for name in ("w1", "w2", "w3"):
-            full = getattr(layer, name)
+            full = getattr(layer.experts, name)
             data = full[sl].clone()
             if mesh is not None:
                 from torch.distributed.tensor import DTensor, Shard
@@ -133,24 +133,30 @@ def apply_expert_parallel(model: nn.Module, group: Any) -> list[MoEFeedForward]:
                                           stride=full.stride())
             shard = nn.Parameter(data, requires_grad=full.requires_grad)
             shard._expert_parallel = True  # type: ignore[attr-defined]
-            setattr(layer, name, shard)
+            setattr(layer.experts, name, shard)
         layer.expert_offset = rank * local
+        layer.experts.grad_scale = 1.0 / ep
         layer.dispatcher = AllToAllDispatcher(pg)
     return layers
 
 
 @torch.no_grad()
 def reduce_gradients(model: nn.Module, world_group: Any = None, expert_dp_group: Any = None) -> None:
-    """Average gradients for an EP(×DP) step: replicated parameters over ``world_group``; expert parameters summed
-    over ``expert_dp_group`` (ranks with the same experts; ``None``: no copies) and divided by the world size."""
-    world = dist.get_world_size(world_group)
+    """Average gradients for an EP(×DP) step: replicated parameters over ``world_group`` (``None``: the default
+    group), expert parameters over
+    ``expert_dp_group`` (the ranks with the same experts; ``None``: no copies). Expert gradients arrive already
+    divided by the EP size (``GroupedExperts.grad_scale``), so both averages give the global-batch mean."""
     for p in model.parameters():
         if p.grad is None:
             continue
         grad = _local(p.grad)
         if is_expert_param(p):
-            if expert_dp_group is not None and dist.get_world_size(expert_dp_group) > 1:
-                dist.all_reduce(grad, group=expert_dp_group)
+            if expert_dp_group is None:
+                continue  # one copy of these experts: nothing to average
+            group = expert_dp_group
         else:
-            dist.all_reduce(grad, group=world_group)
-        grad.div_(world)
+            group = world_group  # None: the default group
+        size = dist.get_world_size(group)
+        if size > 1:
+            dist.all_reduce(grad, group=group)
+            grad.div_(size)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lightning_llmopt.parallel.context_parallel import CP_MODES, ContextParallelAttention, apply_cp, validate_cp
-from lightning_llmopt.parallel.data_parallel import all_reduce_gradients, broadcast_parameters, local_tensor
+from lightning_llmopt.parallel.data_parallel import all_reduce_gradients, broadcast_parameters
 from lightning_llmopt.parallel.mesh import ParallelDims
 from lightning_llmopt.parallel.tensor_parallel import apply_tp, check_plan_paths, reduce_partial_grads, validate_tp
 from lightning_llmopt.parallel.tp_plans import FAMILIES, ModelFamily
@@ -185,10 +185,11 @@ def _validate_ep(module: nn.Module, dims: ParallelDims, config: NDConfig) -> Non
             f"expert_parallel ({dims.ep}) composes with data parallelism only so far; got tensor_parallel "
             f"({dims.tp}), context_parallel ({dims.cp})"
         )
-    if config.zero_stage != 0:
+    if config.zero_stage in (1, 2):
         raise ValueError(
-            f"expert_parallel ({dims.ep}) runs with zero_stage=0 so far (gradients all-reduced; experts sharded "
-            f"over 'ep'); got zero_stage={config.zero_stage}"
+            f"expert_parallel ({dims.ep}) runs with zero_stage 0 (gradients all-reduced) or 3 (FSDP2; experts "
+            f"sharded over 'dp_rep' x 'ep'); the ZeRO-1/2 engine's flat buffers span all data-parallel ranks, "
+            f"got zero_stage={config.zero_stage}"
         )
 
 
@@ -232,9 +233,38 @@ def parallelize(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDConf
             for block in _blocks(model, family):
                 block.compile()
     if config.zero_stage == 3 and dims.dp_cp > 1:
+        if dims.ep > 1:
+            _fully_shard_experts(module, mesh, dims, config)
         _fully_shard(module, out, mesh["dp_cp"], config)
         out.fsdp = True
     return out
+
+
+def _fully_shard_experts(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDConfig) -> None:
+    """ZeRO-3 of expert weights, before the blocks: each ``experts`` module is its own FSDP2 unit over ``"dp_rep"``
+    (the ranks holding the same experts), sharded on dim 1 (dim 0 is the expert dimension, already sharded over
+    ``"ep"``). Its reduce-scatter averages over ``"dp_rep"``; the expert gradients arrive already divided by the EP
+    size (``GroupedExperts.grad_scale``), so the result is the global mean like every other gradient. (FSDP2's own
+    gradient divide factor would do the same with a PREMUL_SUM reduction, which gloo lacks.)"""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    from lightning_llmopt.models.moe import moe_layers
+
+    offload: Any = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if config.offload_parameters else OffloadPolicy()
+    )
+    policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    for layer in moe_layers(module):
+        fully_shard(
+            layer.experts,
+            mesh=mesh["dp_rep"],
+            offload_policy=offload,
+            mp_policy=policy,
+            reshard_after_forward=config.reshard_after_forward,
+            shard_placement_fn=lambda _param: Shard(1),
+        )
+
 
 
 def _fully_shard(module: nn.Module, done: Parallelized, dp_mesh: Any, config: NDConfig) -> None:
@@ -317,15 +347,10 @@ def sync_gradients(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDC
         experts = _expert_params(module)
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in experts]
         all_reduce_gradients(params, mesh["dp_cp"].get_group())
-        if experts:
-            # Each rank's loss is its own mean; the all-to-all backward already summed the EP group's
-            # contributions into the local expert gradients: average over replicas, then over the EP degree.
+        if experts and dims.dp_rep > 1:
+            # Expert gradients are already the EP group's mean (GroupedExperts.grad_scale): average over replicas.
             expert_params = [p for p in module.parameters() if id(p) in experts and p.grad is not None]
-            if dims.dp_rep > 1:
-                all_reduce_gradients(expert_params, mesh["dp_rep"].get_group())
-            for p in expert_params:
-                assert p.grad is not None
-                local_tensor(p.grad).div_(dims.ep)
+            all_reduce_gradients(expert_params, mesh["dp_rep"].get_group())
 
 
 def _expert_params(module: nn.Module) -> set[int]:

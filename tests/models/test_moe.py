@@ -79,7 +79,7 @@ def _naive(layer: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
     logits = F.linear(x.double(), layer.router.weight.double())
     routing = route(logits, cfg.top_k, capacity_factor=cfg.capacity_factor, renormalize=cfg.renormalize)
     out = torch.zeros_like(x, dtype=torch.float64)
-    w1, w2, w3 = layer.w1.double(), layer.w2.double(), layer.w3.double()
+    w1, w2, w3 = layer.experts.w1.double(), layer.experts.w2.double(), layer.experts.w3.double()
     for b in range(x.shape[0]):
         for i in range(x.shape[1]):
             for c in range(cfg.top_k):
@@ -114,8 +114,9 @@ def test_layer_matches_naive(config: MoEConfig) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     # Gradients through the grouped path equal those of the naive loop (float64 autograd on both).
     x2 = x.detach().clone().requires_grad_(True)
-    grads = torch.autograd.grad(out.square().sum(), [x, layer.w1, layer.w2, layer.router.weight])
-    ref_grads = torch.autograd.grad(_naive(layer, x2).square().sum(), [x2, layer.w1, layer.w2, layer.router.weight])
+    weights = [layer.experts.w1, layer.experts.w2, layer.router.weight]
+    grads = torch.autograd.grad(out.square().sum(), [x, *weights])
+    ref_grads = torch.autograd.grad(_naive(layer, x2).square().sum(), [x2, *weights])
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     assert moe_aux_loss(layer) is not None
