@@ -105,8 +105,10 @@ class CausalLMModule(L.LightningModule):
         assert self.model is not None, "configure_model() has not run"
         return self.model(input_ids, **kwargs)
 
-    def _train_loss(self, batch: dict[str, Tensor]) -> Tensor:
-        """The training loss; through ``Llama.loss`` (no full logits) when the model has a fused loss."""
+    def train_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """The training loss of one batch (fp32 scalar); through ``Llama.loss`` (no full logits) when the model has a
+        fused loss. The extension point for callbacks that change the objective (``Distillation`` replaces it on the
+        instance during ``fit``); MoE auxiliary losses are added by ``training_step``."""
         assert self.model is not None, "configure_model() has not run"
         if getattr(self.model, "fused_loss", None) is not None and self.model.output is not None:
             return self.model.loss(
@@ -120,7 +122,7 @@ class CausalLMModule(L.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self._train_loss(batch)
+        loss = self.train_loss(batch)
         aux = moe_aux_loss(self.model) if self.model is not None else None
         if aux is not None:  # Mixture-of-Experts balance and z-losses of this forward
             self.log("train/moe_aux_loss", aux.detach())

@@ -94,7 +94,7 @@ def test_causal_lm_module_trains_through_the_fused_loss(monkeypatch):
     assert fused.model.fused_loss is not None and fused.model.llmopt_fused["swiglu"] == 0
     tokens, labels = _batch(320, seed=3)
     batch = {"input_ids": tokens, "labels": labels}
-    torch.testing.assert_close(fused._train_loss(batch), plain._train_loss(batch), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(fused.train_loss(batch), plain.train_loss(batch), atol=ATOL, rtol=RTOL)
 
 
 def test_bad_names_and_models():
