@@ -147,12 +147,34 @@ class _Pickler(pickle.Pickler):
             raise pickle.PicklingError(
                 f"{module_name}.{qualname} cannot be sent to worker processes: define it at module level of a file"
             )
-        if module_name is None or _module_importable(module_name):
+        registered = _lookup(sys.modules.get(module_name), qualname) is obj if module_name else True
+        if module_name is None or (registered and _module_importable(module_name)):
             return NotImplemented
-        file = getattr(sys.modules.get(module_name), "__file__", None)
+        # Not the object registered under its module's name (a second copy of a file loaded by path, e.g. one
+        # helper module exec'd by two test files): send it by its own source file.
+        file = getattr(sys.modules.get(module_name), "__file__", None) if registered else _source_file(obj)
         if file is None:
             raise pickle.PicklingError(f"{module_name}.{qualname} cannot be sent: its module has no source file")
         return _load_by_path, (os.path.realpath(file), qualname)
+
+
+def _lookup(module: Any, qualname: str) -> Any:
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _source_file(obj: Any) -> str | None:
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        return str(code.co_filename)
+    try:
+        import inspect
+
+        return inspect.getfile(obj)
+    except (TypeError, OSError):
+        return None
 
 
 def _dumps(obj: Any) -> bytes:

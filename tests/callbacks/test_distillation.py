@@ -111,10 +111,10 @@ def test_int8_teacher_and_validation() -> None:
 
 def _zero_job(init: dict[str, torch.Tensor], teacher_state: dict[str, torch.Tensor], stage: int) -> Any:
     import torch.distributed as dist
-    from _zero_jobs import PoolEnvironment  # type: ignore[import-not-found]
 
     from lightning_llmopt.data.sampler import ResumableDataLoader, ResumableShardedSampler
     from lightning_llmopt.strategies import ZeroStrategy
+    from lightning_llmopt.testing import PoolEnvironment
 
     teacher = Llama(LlamaConfig.from_preset("tiny"))
     teacher.load_state_dict(teacher_state)
@@ -159,10 +159,6 @@ def _zero_job(init: dict[str, torch.Tensor], teacher_state: dict[str, torch.Tens
 
 
 def test_distillation_under_zero2_matches_single_process(dist_pool: Any) -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
     torch.manual_seed(0)
     teacher = Llama(LlamaConfig.from_preset("tiny")).state_dict()
     init = Llama(LlamaConfig.from_preset("tiny", n_layers=1)).state_dict()

@@ -184,3 +184,22 @@ def test_error_while_others_wait_in_a_collective_fails_fast() -> None:
         assert info.value.rank == 1 and "gives up" in info.value.remote_traceback
         assert 0 in info.value.stuck or 0 in info.value.errors  # rank 0 hung, or gloo reported the mismatch
         assert pool.run(_all_reduce_rank_values, 1.0) == [[3.0, 2.0]] * 2  # fresh workers after the kill
+
+
+def test_second_copy_of_a_helper_file_travels_by_path(dist_pool, tmp_path, monkeypatch) -> None:
+    """A helper loaded by path from two test files gives two module objects under one name; when its folder is also
+    importable (someone put it on sys.path), pickling by name would find the other copy. It must travel by path."""
+    import importlib.util
+    import sys
+
+    (tmp_path / "_helper_twice.py").write_text("def value(x):\n    return x + 1\n")
+    copies = []
+    for _ in range(2):
+        spec = importlib.util.spec_from_file_location("_helper_twice", tmp_path / "_helper_twice.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        copies.append(module)
+    monkeypatch.setitem(sys.modules, "_helper_twice", copies[0])
+    monkeypatch.syspath_prepend(str(tmp_path))  # the name is importable in a fresh process too
+    assert copies[1].value is not copies[0].value
+    assert dist_pool(2).run(copies[1].value, 1) == [2, 2]
