@@ -37,23 +37,19 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import launch  # noqa: E402
 import records  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DATASHEET_BF16_TFLOPS = 989.0
 _VARIANT = re.compile(
     r"^(?:(?P<ours>tp|cp)(?P<d>\d+)(?P<ulysses>-ulysses)?|(?P<peer>lightning-tp|torch-cp)"
@@ -403,42 +399,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def _worker_main(args: argparse.Namespace) -> int:
-    import torch
-
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        row = run_worker(args)
-    except BaseException as err:  # noqa: BLE001 - recorded, then this rank exits so torchrun ends the others
-        oom = isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
-        message = f"{'OOM' if oom else type(err).__name__} on rank {rank}: {str(err).strip()[:600]}"
-        traceback.print_exc()
-        if args.json_out:
-            Path(f"{args.json_out}.err{rank}").write_text(json.dumps({"error": message, "oom": oom}))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(3 if oom else 1)  # no teardown: other ranks may be blocked in a collective
-    if rank == 0 and args.json_out:
-        Path(args.json_out).write_text(json.dumps(row, default=str))
-    return 0
-
-
 # --------------------------------------------------------------------------- driver (one launch per variant)
-
-
-def _child_env(nproc: int) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **NVLS_OFF)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, min(8, (os.cpu_count() or 2) // (2 * nproc)))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-def _stream(proc: subprocess.Popen, log: Any, prefix: str) -> None:
-    assert proc.stdout is not None
-    for line in iter(proc.stdout.readline, ""):
-        log.write(line)
-        sys.stdout.write(f"{prefix}{line}")
-    sys.stdout.flush()
 
 
 def _worker_args(args: argparse.Namespace, variant: str, seq_len: int, json_out: Path) -> list[str]:
@@ -479,61 +440,16 @@ def run_variant(
 ) -> dict[str, Any]:
     """Launch one variant with torchrun; return its row (or ``{"variant", "error", "oom"}``)."""
     seq_len = seq_len or args.seq_len
-    tmp = Path(tempfile.mkdtemp(prefix=f"llmopt-nd-{variant}-"))
-    out = tmp / "row.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(Path(__file__).resolve()),
-        *_worker_args(args, variant, seq_len, out),
-    ]
     log_path = log_dir / f"nd-{variant}-{nproc}-{seq_len}.log"
-    print(f"[{variant}] seq {seq_len} (log {log_path})", flush=True)
-    start = time.perf_counter()
-    timed_out = False
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            env=_child_env(nproc),
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        reader = threading.Thread(target=_stream, args=(proc, log, f"[{variant}] "), daemon=True)
-        reader.start()
-        try:
-            proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers: the session we started
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        reader.join(timeout=10)
-    if proc.returncode == 0 and out.exists():
-        row = json.loads(out.read_text())
-    else:
-        errors = [json.loads(p.read_text()) for p in sorted(tmp.glob("row.json.err*"))]
-        oom = any(e.get("oom") for e in errors)
-        if timed_out:
-            error = f"timed out after {args.timeout:.0f} s"
-        elif errors:
-            error = next((e["error"] for e in errors if e.get("oom")), errors[0]["error"])
-        else:
-            tail = [ln.strip() for ln in log_path.read_text().splitlines() if ln.strip()]
-            hint = next((ln for ln in reversed(tail) if "rror" in ln), tail[-1] if tail else "")
-            error = f"exit code {proc.returncode}: {hint[:400]}"
-        row = {"variant": variant, "seq_len": seq_len, "error": error, "oom": oom}
-        print(f"[{variant}] FAILED: {error}", flush=True)
-    row["launch_wall_s"] = round(time.perf_counter() - start, 1)
-    return row
+    return launch.launch(
+        __file__,
+        lambda out: _worker_args(args, variant, seq_len, out),
+        variant,
+        nproc,
+        log_path,
+        args.timeout,
+        extra={"seq_len": seq_len},
+    )
 
 
 def _model_facts(args: argparse.Namespace) -> dict[str, Any]:
@@ -783,8 +699,8 @@ def main(argv: list[str] | None = None) -> int:
     args.longest_start = args.longest_start or (64 if smoke else 16384)
     args.longest_max = args.longest_max or (256 if smoke else 1 << 20)
     if args.worker:
-        return _worker_main(args)
-    os.environ.update(NVLS_OFF)
+        return launch.worker_main(run_worker, args)
+    os.environ.update(launch.NVLS_OFF)
     import torch
 
     cuda = torch.cuda.is_available() and not smoke

@@ -30,19 +30,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import launch  # noqa: E402
 import records  # noqa: E402
 
 from lightning_llmopt.testing.data import RandomTokens  # noqa: E402
@@ -53,7 +50,6 @@ OURS = ("zero1", "zero2", "zero3")
 STAGE_OF = {"ddp": 0, "fsdp": 3, "fsdp2": 3, "zero1": 1, "zero2": 2, "zero3": 3}
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 # NVLink multicast must stay off on the shared multi-GPU hosts (device KINDS.md); also set for every child process.
-NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GOAL_ZERO12_VS_DDP = 0.95
 GOAL_ZERO3_VS_FSDP = 1.0
 GOAL_ESTIMATE_TOL = 0.10
@@ -259,121 +255,36 @@ def _overrides(preset: str, seq_len: int) -> dict[str, Any]:
     return {"max_seq_len": seq_len} if LlamaConfig.from_preset(preset).max_seq_len < seq_len else {}
 
 
-def _worker_main(args: argparse.Namespace) -> int:
-    import torch
-
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        row = run_worker(args)
-    except BaseException as err:  # noqa: BLE001 - recorded, then this rank exits so torchrun ends the others
-        oom = isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
-        message = f"{'OOM' if oom else type(err).__name__} on rank {rank}: {str(err).strip()[:600]}"
-        traceback.print_exc()
-        if args.json_out:
-            Path(f"{args.json_out}.err{rank}").write_text(json.dumps({"error": message, "oom": oom}))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(3 if oom else 1)  # no teardown: other ranks may be blocked in a collective
-    if rank == 0 and args.json_out:
-        Path(args.json_out).write_text(json.dumps(row, default=str))
-    return 0
-
-
 # --------------------------------------------------------------------------- driver (one launch per variant)
-
-
-def _child_env(nproc: int) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **NVLS_OFF)
-    # torchrun would set 1 thread per rank: the CPU-side model construction (full 1b init for ddp/fsdp/zero1/2)
-    # is then slow. A few threads per rank, never more than the cores allow.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, min(8, (os.cpu_count() or 2) // (2 * nproc)))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-def _stream(proc: subprocess.Popen, log: Any, prefix: str) -> None:
-    assert proc.stdout is not None
-    for line in iter(proc.stdout.readline, ""):
-        log.write(line)
-        sys.stdout.write(f"{prefix}{line}")
-    sys.stdout.flush()
 
 
 def run_variant(args: argparse.Namespace, variant: str, nproc: int, log_dir: Path) -> dict[str, Any]:
     """Launch one variant with torchrun; return its row (or ``{"variant", "error"}``)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"llmopt-zero-{variant}-"))
-    out = tmp / "row.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(Path(__file__).resolve()),
-        "--worker",
-        "--strategy",
-        variant,
-        "--preset",
-        args.preset,
-        "--seq-len",
-        str(args.seq_len),
-        "--micro-batch",
-        str(args.micro_batch),
-        "--precision",
-        args.precision,
-        "--warmup-steps",
-        str(args.warmup_steps),
-        "--steps",
-        str(args.steps),
-        "--json-out",
-        str(out),
-        "--zero-kwargs",
-        args.zero_kwargs,
-    ] + (["--smoke"] if args.smoke else [])
-    log_path = log_dir / f"zero-{variant}-{nproc}.log"
-    print(f"[{variant}] {' '.join(cmd[2:6])} ... (log {log_path})", flush=True)
-    start = time.perf_counter()
-    timed_out = False
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            env=_child_env(nproc),
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        reader = threading.Thread(target=_stream, args=(proc, log, f"[{variant}] "), daemon=True)
-        reader.start()
-        try:
-            proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers: the session we started
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        reader.join(timeout=10)
-    wall = time.perf_counter() - start
-    if proc.returncode == 0 and out.exists():
-        row = json.loads(out.read_text())
-    else:
-        errors = [json.loads(p.read_text()) for p in sorted(tmp.glob("row.json.err*"))]
-        if timed_out:
-            error = f"timed out after {args.timeout:.0f} s"
-        elif errors:
-            error = next((e["error"] for e in errors if e.get("oom")), errors[0]["error"])
-        else:
-            tail = [ln.strip() for ln in log_path.read_text().splitlines() if ln.strip()]
-            hint = next((ln for ln in reversed(tail) if "Error" in ln or "error" in ln), tail[-1] if tail else "")
-            error = f"exit code {proc.returncode}: {hint[:400]}"
-        row = {"variant": variant, "error": error}
-        print(f"[{variant}] FAILED: {error}", flush=True)
-    row["launch_wall_s"] = round(wall, 1)
-    return row
+
+    def worker_args(out: Path) -> list[str]:
+        return [
+            "--worker",
+            "--strategy",
+            variant,
+            "--preset",
+            args.preset,
+            "--seq-len",
+            str(args.seq_len),
+            "--micro-batch",
+            str(args.micro_batch),
+            "--precision",
+            args.precision,
+            "--warmup-steps",
+            str(args.warmup_steps),
+            "--steps",
+            str(args.steps),
+            "--json-out",
+            str(out),
+            "--zero-kwargs",
+            args.zero_kwargs,
+        ] + (["--smoke"] if args.smoke else [])
+
+    return launch.launch(__file__, worker_args, variant, nproc, log_dir / f"zero-{variant}-{nproc}.log", args.timeout)
 
 
 def _estimates(args: argparse.Namespace, nproc: int) -> dict[int, Any]:
@@ -538,10 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps if args.steps is not None else (2 if smoke else 15)
     args.timeout = args.timeout or 150.0
     if args.worker:
-        return _worker_main(args)
+        return launch.worker_main(run_worker, args)
 
-    for key, value in NVLS_OFF.items():
-        os.environ[key] = value
+    os.environ.update(launch.NVLS_OFF)
     import torch
 
     cuda = torch.cuda.is_available() and not smoke
