@@ -25,7 +25,7 @@ from lightning_llmopt.compression.masks import (
     prunable_linears,
 )
 from lightning_llmopt.compression.sparsegpt import sparsegpt_prune
-from lightning_llmopt.quantization.apply import _calibrate, _gptq_groups, default_forward
+from lightning_llmopt.quantization.apply import calibrate_inputs, default_forward, sequential_groups
 
 METHODS = ("magnitude", "sparsegpt")
 
@@ -52,10 +52,10 @@ def _sparsegpt(
     damp: float,
     report: PruneReport,
 ) -> None:
-    for block, names in _gptq_groups(model, layers, sequential=True):
+    for block, names in sequential_groups(model, layers, sequential=True):
         stop_at = model.get_submodule(block) if block is not None else None
         group = {n: layers[n] for n in names}
-        hessians = _calibrate(model, group, batches, forward, stop_at)
+        hessians = calibrate_inputs(model, group, batches, forward, stop_at)
         for name, linear in group.items():
             if hessians[name].n == 0:
                 raise RuntimeError(f"SparseGPT: layer {name!r} saw no calibration input (is it used in forward?)")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_llmopt.quantization.gptq import _inverse_cholesky
+from lightning_llmopt.quantization.gptq import inverse_cholesky
 
 
 @dataclass
@@ -80,7 +80,7 @@ def sparsegpt_prune(
     dead = torch.diagonal(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    U, used_damp = _inverse_cholesky(H, damp)
+    U, used_damp = inverse_cholesky(H, damp)
     del H
     k = W.shape[1]
     mask = torch.ones_like(W, dtype=torch.bool)

@@ -96,7 +96,7 @@ def _replace_rtn(
 
 
 @torch.no_grad()
-def _calibrate(
+def calibrate_inputs(
     model: nn.Module, layers: dict[str, nn.Linear], batches: list[Any], forward: Callable, stop_at: nn.Module | None
 ) -> dict[str, HessianAccumulator]:
     """Run the batches, accumulating each layer's input Hessian; stop after ``stop_at`` ran (if given)."""
@@ -121,7 +121,11 @@ def _calibrate(
     return acc
 
 
-def _gptq_groups(model: nn.Module, layers: dict[str, nn.Linear], sequential: bool) -> list[tuple[str | None, list]]:
+def sequential_groups(
+    model: nn.Module, layers: dict[str, nn.Linear], sequential: bool
+) -> list[tuple[str | None, list]]:
+    """``(block name, layer names)`` in execution order: one group per block when ``sequential`` (each block is
+    calibrated on the outputs of the already-quantized blocks before it), else one group of every layer."""
     if not sequential:
         return [(None, list(layers))]
     groups: dict[str | None, list[str]] = {}
@@ -140,10 +144,10 @@ def _quantize_gptq(
     forward: Callable,
     report: QuantizationReport,
 ) -> None:
-    for block, names in _gptq_groups(model, layers, config.sequential):
+    for block, names in sequential_groups(model, layers, config.sequential):
         stop_at = model.get_submodule(block) if block is not None else None
         group = {n: layers[n] for n in names}
-        hessians = _calibrate(model, group, batches, forward, stop_at)
+        hessians = calibrate_inputs(model, group, batches, forward, stop_at)
         for name, linear in group.items():
             spec = config.spec_for(name, linear.in_features)
             assert spec is not None
@@ -204,4 +208,12 @@ def quantize_model(
     return report
 
 
-__all__ = ["QuantizationReport", "default_forward", "quantizable_linears", "quantize_model", "set_module"]
+__all__ = [
+    "QuantizationReport",
+    "calibrate_inputs",
+    "default_forward",
+    "quantizable_linears",
+    "quantize_model",
+    "sequential_groups",
+    "set_module",
+]

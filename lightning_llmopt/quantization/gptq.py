@@ -67,7 +67,7 @@ class GPTQResult:
     damp: float
 
 
-def _inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor, float]:
+def inverse_cholesky(H: Tensor, damp: float) -> tuple[Tensor, float]:
     """Upper Cholesky factor of ``(H + d I)^-1``, raising ``d`` tenfold (up to 3 times) if ``H`` is not PD."""
     mean_diag = float(torch.diagonal(H).mean())
     for attempt in range(4):
@@ -120,7 +120,7 @@ def gptq_quantize(
     if act_order:
         perm = torch.argsort(torch.diagonal(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
-    U, used_damp = _inverse_cholesky(H, damp)
+    U, used_damp = inverse_cholesky(H, damp)
     del H
     g = spec.effective_group_size(k)
     row_spec = QuantSpec(spec.bits, "channel", spec.group_size, spec.symmetric)
@@ -159,4 +159,4 @@ def gptq_quantize(
     return GPTQResult(qw, float(loss), used_damp)
 
 
-__all__ = ["GPTQResult", "HessianAccumulator", "gptq_quantize"]
+__all__ = ["GPTQResult", "HessianAccumulator", "gptq_quantize", "inverse_cholesky"]
