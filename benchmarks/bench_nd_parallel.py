@@ -93,50 +93,6 @@ def default_variants(nproc: int) -> list[str]:
 # --------------------------------------------------------------------------- worker: modules and strategies
 
 
-def _measure_callback(warmup: int, cuda: bool) -> Any:
-    import torch
-    import torch.distributed as dist
-    from lightning.pytorch.callbacks import Callback
-
-    class Measure(Callback):
-        """Batch-end wall times after ``warmup`` steps and peak memory, gathered at the end: ``summary``."""
-
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.losses: list[float] = []
-            self.summary: dict[str, Any] = {}
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            self.ends.append(time.perf_counter())
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            if isinstance(loss, torch.Tensor):
-                self.losses.append(float(loss.detach().float()))
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-            ends = self.ends[warmup:]
-            steps = torch.tensor(
-                [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)], dtype=torch.float64, device=device
-            )
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # per step: the slowest rank
-            mem = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64, device=device)
-            if cuda:
-                mem[dist.get_rank()] = torch.tensor(
-                    [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()], dtype=torch.float64
-                )
-            dist.all_reduce(mem)
-            self.summary = {
-                "step_s": steps.tolist(),
-                "allocated": mem[:, 0].tolist(),
-                "reserved": mem[:, 1].tolist(),
-                "losses": self.losses,
-            }
-
-    return Measure()
-
-
 def _lightning_tp_class() -> type:
     """``CausalLMModule`` parallelised in ``configure_model`` as Lightning's ModelParallelStrategy asks: torch's
     DTensor styles (the usual Megatron/sequence-parallel plan), ``loss_parallel``, FSDP2 over data parallelism."""
@@ -360,7 +316,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     loader = torch.utils.data.DataLoader(
         data, batch_size=args.micro_batch, num_workers=2 if cuda else 0, pin_memory=cuda, persistent_workers=cuda
     )
-    measure = _measure_callback(args.warmup_steps, cuda)
+    measure = launch.measure_callback(args.warmup_steps, cuda)
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=world,

@@ -59,66 +59,6 @@ _GIB = 2**30
 # --------------------------------------------------------------------------- worker (one rank of one variant)
 
 
-def _measure_callback(warmup: int, cuda: bool) -> Any:
-    import torch
-    import torch.distributed as dist
-    from lightning.pytorch.callbacks import Callback
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    class Measure(Callback):
-        """Step wall times (batch end -> batch end, after ``warmup`` steps) and per-rank peak memory, gathered at the
-        end of training while the process group is still up: ``summary`` (same on every rank)."""
-
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.start_compute: float = 0.0
-            self.compute: list[float] = []
-            self.losses: list[float] = []
-            self.summary: dict[str, Any] = {}
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            sync()
-            self.start_compute = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            sync()
-            now = time.perf_counter()
-            self.ends.append(now)
-            if len(self.ends) > warmup:
-                self.compute.append(now - self.start_compute)
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            if isinstance(loss, torch.Tensor):
-                self.losses.append(float(loss.detach().float()))
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-            world, rank = dist.get_world_size(), dist.get_rank()
-            ends = self.ends[warmup:]
-            intervals = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)] or self.compute
-            # Per step: the slowest rank's time (all ranks run the same number of steps).
-            steps = torch.tensor(intervals, dtype=torch.float64, device=device)
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-            comp = torch.tensor(self.compute, dtype=torch.float64, device=device)
-            dist.all_reduce(comp, op=dist.ReduceOp.MAX)
-            mem = torch.zeros(world, 2, dtype=torch.float64, device=device)
-            if cuda:
-                mem[rank, 0] = torch.cuda.max_memory_allocated()
-                mem[rank, 1] = torch.cuda.max_memory_reserved()
-            dist.all_reduce(mem)  # each rank fills its own row
-            self.summary = {
-                "step_s": steps.tolist(),
-                "compute_s": comp.tolist(),
-                "allocated": mem[:, 0].tolist(),
-                "reserved": mem[:, 1].tolist(),
-                "losses": self.losses,
-            }
-
-    return Measure()
-
-
 def _fsdp2_module_class() -> type:
     """``CausalLMModule`` whose ``configure_model`` applies FSDP2 ``fully_shard`` (what ``ModelParallelStrategy``
     asks of the user): every block, then the root, on the meta device; then only the local shards are allocated."""
@@ -211,7 +151,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=batch, shuffle=False, num_workers=2 if cuda else 0, pin_memory=cuda, persistent_workers=cuda
     )
-    measure = _measure_callback(args.warmup_steps, cuda)
+    measure = launch.measure_callback(args.warmup_steps, cuda)
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=world,
