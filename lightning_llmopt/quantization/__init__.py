@@ -17,8 +17,9 @@ See docs/quantization.md. Importing this package imports neither Triton nor tran
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_llmopt._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the names below, for type checkers and IDEs
     from lightning_llmopt.quantization.apply import QuantizationReport, quantize_model
@@ -119,13 +120,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
