@@ -302,7 +302,8 @@ class LinearChooser:
         self.force: bool | None = None  # True/False: always/never the Triton GEMV (tests)
 
     def __call__(self, x: Tensor, lin: Any) -> Tensor:
-        if x.shape[0] != 1 or x.device.type != "cuda":
+        # only plain dense linears have a GEMV alternative; quantized layers run their own kernels
+        if x.shape[0] != 1 or x.device.type != "cuda" or not isinstance(lin, torch.nn.Linear):
             return lin(x)
         key = (tuple(lin.weight.shape), lin.weight.dtype)
         use = self.use_gemv.get(key) if self.force is None else self.force

@@ -90,6 +90,7 @@ class ModelRunner:
             from lightning_llmopt.testing.triton import triton_available
 
             fused = self.device.type == "cuda" and triton_available() and backend != "reference"
+            fused = fused and getattr(self.cfg, "moe", None) is None  # the fused path knows dense SwiGLU blocks only
         self.fused = fused
         self.linear = None
         if fused:

@@ -70,3 +70,18 @@ def test_bf16_greedy_matches_full_recompute():
         assert engine.generate([p], SamplingParams(max_tokens=new))[0].token_ids == r
     engine.prefix_cache.clear()
     assert engine.blocks.allocator.num_free == engine.blocks.allocator.capacity
+
+
+def test_quantized_model_batch1_through_fused_decode():
+    """A quantized model on the fused CUDA decode path: QuantizedLinear layers have no dense ``weight`` and must run
+    their own kernels at batch 1 (this crashed once with AttributeError in the GEMV chooser)."""
+    from lightning_llmopt.quantization import QuantConfig, quantize_model
+
+    model = _trained_model()
+    quantize_model(model, QuantConfig(bits=8, group_size=None))
+    g = torch.Generator().manual_seed(3)
+    prompt = _periodic(g, 1, 40)[0].tolist()
+    ref = greedy_generate(model, torch.tensor([prompt], device="cuda"), 32, use_cache=False)[0, len(prompt) :]
+    engine = LLMEngine(model, block_size=16, num_blocks=64, max_num_seqs=1)
+    assert engine.runner.fused
+    assert engine.generate([prompt], SamplingParams(max_tokens=32))[0].token_ids == ref.tolist()
