@@ -6,6 +6,8 @@ tokens, each variant trains in its OWN ``torchrun --standalone --nproc-per-node=
 - ours, :class:`~lightning_llmopt.strategies.NDParallelStrategy` (ZeRO-3 over the remaining ``dp*cp`` ranks):
   ``tp{d}`` (tensor + sequence parallel, vocab-parallel loss), ``cp{d}`` (ring attention with causal load balancing,
   flash-attention blocks), ``cp{d}-ulysses`` (all-to-all), and ``dp`` (data parallel only, for context);
+  ``ep{d}`` (issue 6: experts of a MoE model, given by ``--model-overrides '{"moe": {...}}'``, sharded over ``d``
+  ranks with all-to-all dispatch; its peer is ``dp`` on the same MoE model, experts sharded by ZeRO-3 alone);
 - peers, measured in the same run: ``lightning-tp{d}``: Lightning's ``ModelParallelStrategy`` with the DTensor TP
   plan a user writes in ``configure_model`` (torch's Colwise/Rowwise/SequenceParallel styles, ``loss_parallel``,
   FSDP2 over the data-parallel dimension); ``torch-cp{d}``: torch's ``context_parallel`` (ring attention over CUDA
@@ -52,25 +54,28 @@ import records  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATASHEET_BF16_TFLOPS = 989.0
 _VARIANT = re.compile(
-    r"^(?:(?P<ours>tp|cp)(?P<d>\d+)(?P<ulysses>-ulysses)?|(?P<peer>lightning-tp|torch-cp)"
+    r"^(?:(?P<ours>tp|cp|ep)(?P<d>\d+)(?P<ulysses>-ulysses)?|(?P<peer>lightning-tp|torch-cp)"
     r"(?P<pd>\d+)|(?P<dp>dp))$"
 )
 _GIB = 2**30
 
 
 def parse_variant(name: str) -> dict[str, Any]:
-    """``{"kind": "ours"|"lightning-tp"|"torch-cp", "tp": int, "cp": int, "mode": "ring"|"ulysses"}``."""
+    """``{"kind": "ours"|"lightning-tp"|"torch-cp", "tp": int, "cp": int, "ep": int, "mode": "ring"|"ulysses"}``."""
     m = _VARIANT.match(name)
-    if m is None:
-        raise SystemExit(f"unknown variant {name!r}: tp<d>, cp<d>, cp<d>-ulysses, dp, lightning-tp<d>, torch-cp<d>")
+    if m is None or (m["ulysses"] and m["ours"] != "cp"):
+        raise SystemExit(
+            f"unknown variant {name!r}: tp<d>, cp<d>, cp<d>-ulysses, ep<d>, dp, lightning-tp<d>, torch-cp<d>"
+        )
     if m["dp"]:
-        return {"kind": "ours", "tp": 1, "cp": 1, "mode": "ring"}
+        return {"kind": "ours", "tp": 1, "cp": 1, "ep": 1, "mode": "ring"}
     if m["ours"]:
         d = int(m["d"])
         return {
             "kind": "ours",
             "tp": d if m["ours"] == "tp" else 1,
             "cp": d if m["ours"] == "cp" else 1,
+            "ep": d if m["ours"] == "ep" else 1,
             "mode": "ulysses" if m["ulysses"] else "ring",
         }
     d = int(m["pd"])
@@ -78,6 +83,7 @@ def parse_variant(name: str) -> dict[str, Any]:
         "kind": m["peer"],
         "tp": d if m["peer"] == "lightning-tp" else 1,
         "cp": d if m["peer"] == "torch-cp" else 1,
+        "ep": 1,
         "mode": "ring",
     }
 
@@ -260,6 +266,7 @@ def _build(args: argparse.Namespace, world: int, spec: dict[str, Any]) -> tuple[
             tensor_parallel=spec["tp"],
             context_parallel=spec["cp"],
             context_parallel_mode=spec["mode"],
+            expert_parallel=spec["ep"],
             zero_stage=3,
             activation_checkpointing=args.activation_checkpointing,
             compile=args.compile,
@@ -428,7 +435,8 @@ def _model_facts(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _preset_name(args: argparse.Namespace) -> str:
-    return f"{args.preset}-{args.layers}l" if args.layers else args.preset
+    name = f"{args.preset}-{args.layers}l" if args.layers else args.preset
+    return name + ("-moe" if json.loads(args.model_overrides).get("moe") else "")
 
 
 def run_throughput(args: argparse.Namespace, nproc: int, results_dir: Path, log_dir: Path, cuda: bool) -> Path:
@@ -438,8 +446,8 @@ def run_throughput(args: argparse.Namespace, nproc: int, results_dir: Path, log_
     notes: list[str] = []
     for variant in variants:
         spec = parse_variant(variant)
-        if nproc % (spec["tp"] * spec["cp"]):
-            notes.append(f"{variant} skipped: {spec['tp'] * spec['cp']} does not divide {nproc} GPUs")
+        if nproc % (spec["tp"] * spec["cp"] * spec["ep"]):
+            notes.append(f"{variant} skipped: {spec['tp'] * spec['cp'] * spec['ep']} does not divide {nproc} GPUs")
             continue
         if spec["kind"] == "torch-cp" and not cuda:
             notes.append(f"{variant} skipped in --smoke: torch's context_parallel needs CUDA SDPA kernels")
@@ -463,9 +471,12 @@ def run_throughput(args: argparse.Namespace, nproc: int, results_dir: Path, log_
     ratios = []
     for variant, row in rows.items():
         spec = parse_variant(variant)
-        if spec["kind"] != "ours" or (spec["tp"] == 1 and spec["cp"] == 1):
+        if spec["kind"] != "ours" or (spec["tp"] == 1 and spec["cp"] == 1 and spec["ep"] == 1):
             continue
-        peer = f"lightning-tp{spec['tp']}" if spec["tp"] > 1 else f"torch-cp{spec['cp']}"
+        if spec["ep"] > 1:  # expert parallelism against the same MoE model with experts sharded by ZeRO-3 only
+            peer = "dp"
+        else:
+            peer = f"lightning-tp{spec['tp']}" if spec["tp"] > 1 else f"torch-cp{spec['cp']}"
         if peer in rows and rows[peer].get("run_date") == row.get("run_date"):  # same run only
             ratios += records.compute_ratios([row], [rows[peer]], "tokens_per_s")
     config = {
@@ -504,7 +515,7 @@ def run_throughput(args: argparse.Namespace, nproc: int, results_dir: Path, log_
 
 def _variant_order(variant: str) -> tuple[int, int, str]:
     spec = parse_variant(variant)
-    return (spec["tp"] * spec["cp"], 0 if spec["kind"] == "ours" else 1, variant)
+    return (spec["tp"] * spec["cp"] * spec["ep"], 0 if spec["kind"] == "ours" else 1, variant)
 
 
 def _merge_previous(rows: dict[str, dict[str, Any]], path: Path) -> list[str]:

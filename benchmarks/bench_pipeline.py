@@ -13,7 +13,7 @@ Launched once per world size with torchrun (one process per GPU); every schedule
     torchrun --standalone --nproc-per-node=4 benchmarks/bench_pipeline.py --preset llama3-8b --layers 16
     python benchmarks/bench_pipeline.py --smoke        # CPU, gloo, 2 processes, tiny model, no record written
 
-Record: ``benchmarks/results/pipeline-<preset>-<N>gpu-<device>.json``. Not run on a GPU yet.
+Record: ``benchmarks/results/pipeline-<preset>[-<layers>l]-<N>gpu-<device>.json``.
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ def worker(args: argparse.Namespace) -> None:
             print(json.dumps(r))
         if not args.smoke:
             env = records.environment()
+            preset_name = f"{args.preset}-{args.layers}l" if args.layers else args.preset  # one record per depth
             record = {
                 "benchmark": "pipeline",
                 "preset": args.preset,
@@ -167,7 +168,7 @@ def worker(args: argparse.Namespace) -> None:
             out = (
                 Path(__file__).parent
                 / "results"
-                / (f"pipeline-{args.preset}-{dist.get_world_size()}gpu-{env['device_slug']}.json")
+                / (f"pipeline-{preset_name}-{dist.get_world_size()}gpu-{env['device_slug']}.json")
             )
             out.write_text(json.dumps(record, indent=2))
             print(f"wrote {out}")
