@@ -13,7 +13,7 @@ Launched once per world size with torchrun (one process per GPU); every schedule
     torchrun --standalone --nproc-per-node=4 benchmarks/bench_pipeline.py --preset llama3-8b --layers 16
     python benchmarks/bench_pipeline.py --smoke        # CPU, gloo, 2 processes, tiny model, no record written
 
-Record: ``benchmarks/results/pipeline-<preset>[-<layers>l]-<N>gpu-<device>.json``.
+Record: ``benchmarks/results/pipeline-<preset>[-<layers>l]-<N>gpu-<device>.json`` (``records`` format).
 """
 
 from __future__ import annotations
@@ -88,16 +88,22 @@ def run_schedule(args: argparse.Namespace, name: str, v: int, m: int, device: to
         model.zero_grad(set_to_none=True)
     step = statistics.median(times)
     busy = _busy_time(args, modules, split, cfg, m, device, autocast)
-    measured = torch.tensor([1.0 - busy / step], device=device)
-    dist.all_reduce(measured)
+    busy_all = [torch.zeros(1, device=device) for _ in range(pp)]
+    dist.all_gather(busy_all, torch.tensor([busy], device=device))
+    busies = [float(b) for b in busy_all]
     theory = plan(name, pp, m, v)
     return {
+        "variant": f"{name}-m{m}",
         "schedule": name,
         "virtual_stages": v,
         "microbatches": m,
         "step_s": step,
         "tokens_per_s": rows * args.seq_len / step,
-        "measured_bubble": float(measured) / pp,
+        "busy_s_per_rank": busies,
+        # mean over ranks of 1 - busy/step (the idle share of the step), and against the busiest rank (stage
+        # imbalance excluded: the part of the step that even the critical rank spends waiting)
+        "measured_bubble": statistics.fmean(1.0 - b / step for b in busies),
+        "measured_bubble_busiest": 1.0 - max(busies) / step,
         "theory_bubble": theory.theory if theory.theory is not None else theory.bubble,
     }
 
@@ -111,28 +117,62 @@ def _busy_time(
     device: torch.device,
     autocast: Any,
 ) -> float:
-    """This rank's compute for one step without the pipeline: forward + backward of each local stage, M times."""
+    """This rank's compute for one step without the pipeline: forward + backward of each local stage, M times, under
+    ONE autocast context like ``train_step`` (autocast caches the bf16 weight casts for the whole context; entering
+    it per micro-batch recasts them each time and inflated the busy time past the step time), with the pipeline's
+    cross-entropy on the last stage's logits."""
     mb = args.rows_per_microbatch
+    last = split.num_stages - 1
     reps = []
     for _ in range(max(args.steps // 2, 1)):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(m):
-            for s, mod in modules.items():
-                if s == 0:
-                    x: torch.Tensor = torch.randint(0, cfg.vocab_size, (mb, args.seq_len), device=device)
-                else:
-                    x = torch.randn(mb, args.seq_len, cfg.dim, device=device, requires_grad=True)
-                with autocast:
+        with autocast:
+            for _ in range(m):
+                for s, mod in modules.items():
+                    if s == 0:
+                        x: torch.Tensor = torch.randint(0, cfg.vocab_size, (mb, args.seq_len), device=device)
+                    else:
+                        x = torch.randn(mb, args.seq_len, cfg.dim, device=device, requires_grad=True)
                     out = mod(x)
-                out.float().sum().backward()
+                    if s == last:
+                        labels = torch.randint(0, cfg.vocab_size, (mb * args.seq_len,), device=device)
+                        F.cross_entropy(out.float().flatten(0, 1), labels).backward()
+                    else:
+                        out.backward(torch.ones_like(out))
         if device.type == "cuda":
             torch.cuda.synchronize()
         reps.append(time.perf_counter() - t0)
         for mod in modules.values():
             mod.zero_grad(set_to_none=True)
     return statistics.median(reps)
+
+
+def pipeline_record(config: dict[str, Any], results: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+    """The record: per schedule and M, tokens/s, the measured and theoretical bubble, and the speedup over 1F1B at
+    the same M against the speedup the theoretical bubbles predict (``(1 - bubble_1f1b) / (1 - bubble)``)."""
+    rows = [dict(r) for r in results]
+    base = {r["microbatches"]: r for r in rows if r.get("schedule") == "1f1b" and "step_s" in r}
+    for r in rows:
+        r.setdefault("variant", f"{r['schedule']}-m{r['microbatches']}")
+        b = base.get(r["microbatches"])
+        if b is None or "step_s" not in r:
+            continue
+        r["speedup_vs_1f1b"] = b["step_s"] / r["step_s"]
+        r["predicted_speedup_vs_1f1b"] = (1.0 - b["theory_bubble"]) / (1.0 - r["theory_bubble"])
+        r["bubble_gap_pp"] = 100.0 * (r["measured_bubble"] - r["theory_bubble"])
+    name = f"pipeline-{config['preset']}" + (f"-{config['layers']}l" if config.get("layers") else "")
+    name += f"-{config['world_size']}gpu"
+    notes = [
+        "one torchrun launch, every schedule in turn on torch.distributed.pipelining stages; no optimizer step",
+        "measured_bubble = mean over ranks of 1 - busy/step, busy = the rank's own stage forward+backward for the M "
+        "micro-batches run alone; theory assumes equal stages (the last stage also holds the head and the loss)",
+        "zero_bubble/zbv use torch's B/W split (stage_backward_input + stage_backward_weight); their step time is "
+        "the cost of that split, not the schedule's idle time",
+        *kw.pop("notes", []),
+    ]
+    return records.make_record(name, config, rows, [], benchmark="pipeline", ratio_metric=None, notes=notes, **kw)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -152,26 +192,17 @@ def worker(args: argparse.Namespace) -> None:
         for r in results:
             print(json.dumps(r))
         if not args.smoke:
-            env = records.environment()
-            preset_name = f"{args.preset}-{args.layers}l" if args.layers else args.preset  # one record per depth
-            record = {
-                "benchmark": "pipeline",
+            config = {
                 "preset": args.preset,
                 "layers": args.layers,
                 "world_size": dist.get_world_size(),
                 "seq_len": args.seq_len,
                 "rows_per_microbatch": args.rows_per_microbatch,
-                "date": time.strftime("%Y-%m-%d"),
-                "environment": env,
-                "results": results,
+                "warmup": args.warmup,
+                "steps": args.steps,
             }
-            out = (
-                Path(__file__).parent
-                / "results"
-                / (f"pipeline-{preset_name}-{dist.get_world_size()}gpu-{env['device_slug']}.json")
-            )
-            out.write_text(json.dumps(record, indent=2))
-            print(f"wrote {out}")
+            record = pipeline_record(config, results)
+            print(f"wrote {records.write_record(record)}")
     dist.destroy_process_group()
 
 
