@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one graph per common batch size.
+"""Decode steps replayed from CUDA graphs, one graph per common batch size (in rows: one row per token).
 
 A decode step launches a few hundred small kernels; replaying them from a captured ``torch.cuda.CUDAGraph`` removes
 the CPU launch cost between them (gpt-fast gets the same effect from ``torch.compile(mode="reduce-overhead")``).
@@ -10,16 +10,22 @@ the CPU launch cost between them (gpt-fast gets the same effect from ``torch.com
   of a shorter sequence return at once.
 - Graphs are captured on first use of each size, after two warm-up runs on a side stream (Triton compilation and
   autotuning must happen outside the capture). All graphs share one memory pool.
+- A work of several tokens (a speculative verify, or a draft model catching up on accepted tokens) takes one row
+  per token (:func:`~lightning_llmopt.inference.runner.decode_rows`), so speculative steps replay graphs too.
+  :meth:`DecodeGraphs.run` returns the rows :meth:`ModelRunner.forward` would.
+- ``capture=False`` (and any non-CUDA device) runs the same static-buffer step eagerly: the row layout and the
+  selection of logits are then checked on the CPU.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_llmopt.inference.runner import ModelRunner, StepInputs
+from lightning_llmopt.inference.runner import ModelRunner, StepInputs, decode_rows, sampled_rows
 from lightning_llmopt.inference.scheduler import Work
 
 __all__ = ["DecodeGraphs"]
@@ -33,10 +39,22 @@ class DecodeGraphs:
         sizes: batch sizes to capture (sorted).
         max_blocks: block-table width (blocks of a ``max_model_len`` sequence).
         max_context: ``max_model_len``: the bound the attention grid is sized for.
+        capture: capture CUDA graphs (CUDA only); ``False`` runs the static-buffer steps eagerly.
+        max_tokens_per_work: works of more tokens (prefill chunks) are left to the runner's prefill path.
     """
 
-    def __init__(self, runner: ModelRunner, sizes: tuple[int, ...], max_blocks: int, max_context: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sizes: tuple[int, ...],
+        max_blocks: int,
+        max_context: int,
+        capture: bool = True,
+        max_tokens_per_work: int = 16,
+    ) -> None:
         self.runner = runner
+        self.capture = capture and runner.device.type == "cuda"
+        self.max_tokens_per_work = max_tokens_per_work
         self.sizes = tuple(sorted(sizes))
         self.max_batch = self.sizes[-1]
         self.max_blocks = max_blocks
@@ -48,14 +66,24 @@ class DecodeGraphs:
         self.ids, self.pos, self.blocks, self.slots, self.ctx = self.meta.unbind(0)
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, dtype=torch.long, device=dev)
-        self._staging = torch.zeros(5, b, dtype=torch.long).pin_memory()
-        self._table_staging = torch.zeros(b, max_blocks, dtype=torch.int32).pin_memory()
+        pin = runner.device.type == "cuda"
+        self._staging = torch.zeros(5, b, dtype=torch.long, pin_memory=pin)
+        self._table_staging = torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=pin)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self._mempool: Any = None
 
     def fits(self, n: int) -> bool:
         return 0 < n <= self.max_batch
+
+    def accepts(self, work: list[Work]) -> bool:
+        """Whether :meth:`run` serves ``work``: decodes and speculative verifies (every token sampled) or short
+        catch-ups, within the largest captured size."""
+        if not work or any(w.num_tokens > self.max_tokens_per_work for w in work):
+            return False
+        if any(w.num_tokens > 1 and w.samples and w.num_logits not in (1, w.num_tokens) for w in work):
+            return False
+        return self.fits(sum(w.num_tokens for w in work))
 
     def _inputs(self, b: int) -> StepInputs:
         return StepInputs(
@@ -85,36 +113,46 @@ class DecodeGraphs:
         self.graphs[b] = graph
         self.outputs[b] = out
 
-    def _fill(self, work: list[Work], b: int) -> None:
-        """Stage the inputs in pinned memory and copy them (asynchronously) into the static buffers.
+    def _fill(self, work: list[Work], b: int) -> int:
+        """Stage the rows in pinned memory and copy them (asynchronously) into the static buffers; returns the row
+        count.
 
         The staging buffers are reused every step: safe because sampling reads the previous step's logits on the
         host, which waits for everything queued before, these copies included."""
-        bs = self.runner.block_size
+        rows, tables = decode_rows(work, self.runner.block_size)
+        n = rows.shape[1]
         stage = self._staging.numpy()
         stage[:, :b] = 0  # padding rows: token 0 at position 0, null block slot 0, context 0
-        tables = self._table_staging.numpy()
+        stage[:, :n] = rows
+        tab = self._table_staging.numpy()
         widest = 1
-        for r, w in enumerate(work):
-            seq, p = w.seq, w.start
-            table = seq.block_table
-            stage[0, r] = seq.tokens[p]
-            stage[1, r] = p
-            stage[2, r] = table[p // bs]
-            stage[3, r] = p % bs
-            stage[4, r] = p + 1
-            tables[r, : len(table)] = table
+        for r, table in enumerate(tables):
+            tab[r, : len(table)] = table
             widest = max(widest, len(table))
         self.meta[:, :b].copy_(self._staging[:, :b], non_blocking=True)
-        n = len(work)
         self.tables[:n, :widest].copy_(self._table_staging[:n, :widest], non_blocking=True)
+        return n
 
     def run(self, work: list[Work]) -> Tensor:
-        """Logits ``(n, vocab)`` of ``n`` decode works (each computing its sequence's last token)."""
-        n = len(work)
+        """The logits :meth:`ModelRunner.forward` returns for ``work`` (see :meth:`accepts`): one row per sampled
+        token, in order."""
+        n = sum(w.num_tokens for w in work)
         b = next(s for s in self.sizes if s >= n)
         self._fill(work, b)
-        if b not in self.graphs:
-            self._capture(b)
-        self.graphs[b].replay()
-        return self.outputs[b][:n]
+        if not self.capture:
+            out = self.runner.forward(self._inputs(b), max_context=self.max_context)
+        else:
+            if b not in self.graphs:
+                try:
+                    self._capture(b)
+                except RuntimeError as exc:  # e.g. a layer that syncs with the host: keep serving, eagerly
+                    warnings.warn(f"CUDA graph capture of {b} rows failed ({exc}); steps run eagerly", stacklevel=2)
+                    torch.cuda.synchronize(self.runner.device)
+                    self.capture = False
+                    return self.run(work)
+            self.graphs[b].replay()
+            out = self.outputs[b]
+        pick = sampled_rows(work)
+        if pick is None:
+            return out[:n]
+        return out.index_select(0, torch.tensor(pick, dtype=torch.long).to(out.device, non_blocking=True))

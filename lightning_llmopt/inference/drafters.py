@@ -115,9 +115,19 @@ class ModelDrafter:
         num_blocks: KV blocks of the drafter's pool (null block included).
         block_size: tokens per block.
         backend: attention backend of its runner (``"auto"``, ``"triton"``, ``"reference"``).
+        graph_sizes, max_model_len: on CUDA, replay the draft steps (single-token rounds and short catch-ups on
+            accepted tokens) from CUDA graphs of these row counts, sized for ``max_model_len`` (``None``: eager).
     """
 
-    def __init__(self, model: Llama, num_blocks: int, block_size: int, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        model: Llama,
+        num_blocks: int,
+        block_size: int,
+        backend: str = "auto",
+        graph_sizes: tuple[int, ...] | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         cfg = model.config
         assert cfg.n_kv_heads is not None and cfg.head_dim is not None
         self.model = model.eval()
@@ -127,6 +137,11 @@ class ModelDrafter:
         self.blocks = BlockManager(num_blocks, block_size)
         self.runner = ModelRunner(model, self.pool, backend, fused=None)
         self.state: dict[int, _DraftSeq] = {}
+        self.graphs = None
+        if graph_sizes and max_model_len and device.type == "cuda":  # draft steps replayed like the target's
+            from lightning_llmopt.inference.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.runner, graph_sizes, self.blocks.blocks_for(max_model_len), max_model_len)
 
     def _sync(self, seq: Seq) -> _DraftSeq:
         """Keep the cached prefix that agrees with ``seq.tokens`` (roll back rejected drafts), then copy the rest."""
@@ -154,8 +169,11 @@ class ModelDrafter:
         """One draft forward over every ``(row, seq)``'s uncomputed tokens: ``{row: logits (V,)}``."""
         work = [Work(ds, ds.num_computed, len(ds.tokens) - ds.num_computed) for _, ds in items]  # type: ignore[arg-type]
         by_id = {id(w): r for w, (r, _) in zip(work, items, strict=True)}
-        ordered = ModelRunner.order(work)
-        logits = self.runner.forward(self.runner.prepare(ordered))
+        if self.graphs is not None and self.graphs.accepts(work):
+            ordered, logits = work, self.graphs.run(work)  # one row per work: its last token
+        else:
+            ordered = ModelRunner.order(work)
+            logits = self.runner.forward(self.runner.prepare(ordered))
         for w in ordered:
             w.seq.num_computed = w.start + w.num_tokens
         return {by_id[id(w)]: logits[i] for i, w in enumerate(ordered)}
@@ -181,13 +199,13 @@ class ModelDrafter:
             if not items:
                 break
             rows = self._forward(items)
-            for r, ds in items:
-                q = draft_distribution(rows[r], seqs[r].request.params)
-                if seqs[r].request.params.greedy:
-                    tok = int(q.argmax())
-                else:
-                    tok = int(torch.multinomial(q, 1, generator=generators[r]).item())
-                probs[r, j] = q
+            qs = torch.stack([draft_distribution(rows[r], seqs[r].request.params) for r, _ in items])
+            picks = qs.argmax(-1)
+            for i, (r, _) in enumerate(items):
+                if not seqs[r].request.params.greedy:
+                    picks[i] = torch.multinomial(qs[i], 1, generator=generators[r])[0]
+            probs[torch.tensor([r for r, _ in items], device=probs.device), j] = qs
+            for (r, ds), tok in zip(items, picks.tolist(), strict=True):  # one host sync per draft round
                 tokens[r].append(tok)
                 ds.tokens.append(tok)
         return Proposal(tokens, probs[:, :K])
@@ -203,7 +221,14 @@ class ModelDrafter:
 
 
 def quantized_drafter(
-    target: Llama, bits: int, group_size: int | None, num_blocks: int, block_size: int, backend: str = "auto"
+    target: Llama,
+    bits: int,
+    group_size: int | None,
+    num_blocks: int,
+    block_size: int,
+    backend: str = "auto",
+    graph_sizes: tuple[int, ...] | None = None,
+    max_model_len: int | None = None,
 ) -> ModelDrafter:
     """A :class:`ModelDrafter` over a copy of ``target`` with RTN ``bits``-bit weight-only linear layers (the
     output head stays in full precision, as :class:`~lightning_llmopt.quantization.QuantConfig` skips it)."""
@@ -211,4 +236,4 @@ def quantized_drafter(
 
     draft = copy.deepcopy(target)
     quantize_model(draft, QuantConfig(bits=bits, group_size=group_size, method="rtn"))
-    return ModelDrafter(draft, num_blocks, block_size, backend)
+    return ModelDrafter(draft, num_blocks, block_size, backend, graph_sizes, max_model_len)

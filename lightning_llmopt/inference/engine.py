@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["LLMEngine"]
 
 
-
 class LLMEngine:
     """Serve a :class:`~lightning_llmopt.models.llama.Llama` (see the module docstring).
 
@@ -106,9 +105,14 @@ class LLMEngine:
         if config.cuda_graphs and self.device.type == "cuda":
             from lightning_llmopt.inference.cuda_graphs import DecodeGraphs
 
-            sizes = tuple(s for s in config.graph_batch_sizes if s <= config.max_num_seqs)
+            rows = config.max_num_seqs  # rows per step: one per token (a verify is 1 + drafts rows)
+            if config.speculative is not None:
+                rows *= 1 + config.speculative.num_tokens
+            sizes = [s for s in config.graph_batch_sizes if s <= rows]
+            while config.speculative is not None and sizes and sizes[-1] < rows:
+                sizes.append(min(2 * sizes[-1], rows))  # speculation: cover the widest verify step too
             self.graphs = (
-                DecodeGraphs(self.runner, sizes, self.blocks.blocks_for(self.max_model_len), self.max_model_len)
+                DecodeGraphs(self.runner, tuple(sizes), self.blocks.blocks_for(self.max_model_len), self.max_model_len)
                 if sizes
                 else None
             )
@@ -127,6 +131,7 @@ class LLMEngine:
                 self.generator,
                 self.stats,
                 config.attention_backend,
+                self.graphs.sizes if self.graphs is not None else None,
             )
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -165,8 +170,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def _validate(self, prompt: Prompt, params: SamplingParams, truncate: bool) -> tuple[list[int], int]:
-        tokens, dropped = validate_prompt(prompt, params, truncate, self.tokenizer, self.model.config.vocab_size,
-                                          self.max_model_len)
+        tokens, dropped = validate_prompt(
+            prompt, params, truncate, self.tokenizer, self.model.config.vocab_size, self.max_model_len
+        )
         need = self.blocks.blocks_for(len(tokens) + params.max_tokens)
         if need > self.blocks.allocator.capacity:
             raise ValueError(
@@ -258,7 +264,7 @@ class LLMEngine:
         return events
 
     def _forward(self, work: list[Work]) -> torch.Tensor:
-        if self.graphs is not None and all(w.num_tokens == 1 for w in work) and self.graphs.fits(len(work)):
+        if self.graphs is not None and self.graphs.accepts(work):
             return self.graphs.run(work)
         return self.runner.forward(self.runner.prepare(work))
 

@@ -27,13 +27,46 @@ from lightning_llmopt.kernels.paged_attention import paged_attention
 from lightning_llmopt.models.llama import Llama
 from lightning_llmopt.models.rope import apply_rope
 
-__all__ = ["ModelRunner", "StepInputs", "seqlen_bucket"]
+__all__ = ["ModelRunner", "StepInputs", "decode_rows", "sampled_rows", "seqlen_bucket"]
 
 
 def seqlen_bucket(n: int) -> int:
     """``max_seqlen`` handed to the flash kernel: a power of two >= 64 (an upper bound is all the varlen kernel
     needs, and a few distinct values keep its autotuner from re-tuning for every new prompt length)."""
     return max(64, 1 << max(0, (n - 1).bit_length()))
+
+
+def decode_rows(work: list[Work], block_size: int) -> tuple[np.ndarray, list[list[int]]]:
+    """Every token of ``work`` as its own decode row: ``(5, R)`` int64 of token, position, block, slot and context
+    length (the row's own key included), and each row's block table.
+
+    A work of several tokens (a speculative verify: the last accepted token plus the drafts) becomes consecutive
+    rows of one sequence. That is exact: each layer writes the keys/values of all rows to the pool before any row
+    attends, and row ``j`` sees keys up to its own position only, which is the causal mask of the multi-token
+    forward."""
+    n = sum(w.num_tokens for w in work)
+    rows = np.zeros((5, n), dtype=np.int64)
+    tables: list[list[int]] = []
+    r = 0
+    for w in work:
+        seq, table = w.seq, w.seq.block_table
+        for p in range(w.start, w.start + w.num_tokens):
+            rows[:, r] = (seq.tokens[p], p, table[p // block_size], p % block_size, p + 1)
+            tables.append(table)
+            r += 1
+    return rows, tables
+
+
+def sampled_rows(work: list[Work]) -> list[int] | None:
+    """Rows of a :func:`decode_rows` layout that :meth:`ModelRunner.forward` would return logits for (the last
+    ``num_logits`` tokens of each work that samples), or ``None`` when that is every row in order."""
+    out: list[int] = []
+    r = 0
+    for w in work:
+        if w.samples:
+            out.extend(range(r + w.num_tokens - w.num_logits, r + w.num_tokens))
+        r += w.num_tokens
+    return None if len(out) == r else out
 
 
 @dataclass
@@ -149,6 +182,29 @@ class ModelRunner:
         if pre:
             self._segments(pre, inp)
         return inp
+
+    def prepare_rows(self, work: list[Work]) -> StepInputs:
+        """Pack ``work`` (any order) as decode rows only (:func:`decode_rows`): paged attention for every token,
+        logits for every row. The layout :class:`~lightning_llmopt.inference.cuda_graphs.DecodeGraphs` replays;
+        eager here for checks on any device."""
+        rows, tables = decode_rows(work, self.block_size)
+        n = rows.shape[1]
+        width = max((len(t) for t in tables), default=1)
+        tab = np.zeros((n, max(width, 1)), dtype=np.int32)
+        for r, t in enumerate(tables):
+            tab[r, : len(t)] = t
+        meta = torch.from_numpy(rows).to(self.device)
+        return StepInputs(
+            input_ids=meta[0],
+            positions=meta[1],
+            blocks=meta[2],
+            slots=meta[3],
+            num_decode=n,
+            dec_tables=torch.from_numpy(tab).to(self.device),
+            dec_ctx=meta[4].to(torch.int32),
+            dec_max_ctx=int(rows[4].max()) if n else 1,
+            logits_idx=torch.arange(n, device=self.device),
+        )
 
     def _segments(self, pre: list[Work], inp: StepInputs) -> None:
         """Fill the prefill segment fields of ``inp`` (layout in :class:`StepInputs`)."""

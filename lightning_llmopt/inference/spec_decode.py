@@ -39,12 +39,24 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def build_drafter(config: SpeculativeConfig, target: Llama, num_blocks: int, block_size: int, backend: str) -> Drafter:
+def build_drafter(
+    config: SpeculativeConfig,
+    target: Llama,
+    num_blocks: int,
+    block_size: int,
+    backend: str,
+    graph_sizes: tuple[int, ...] | None = None,
+    max_model_len: int | None = None,
+) -> Drafter:
+    """The drafter of ``config``; a model drafter replays its decode steps from CUDA graphs of ``graph_sizes`` rows
+    when given (CUDA)."""
     if config.method == "prompt_lookup":
         return PromptLookupDrafter(config.ngram_max, config.ngram_min)
     blocks = config.draft_num_blocks or num_blocks
     if config.method == "self_quantized":
-        return quantized_drafter(target, config.quant_bits, config.quant_group_size, blocks, block_size, backend)
+        return quantized_drafter(
+            target, config.quant_bits, config.quant_group_size, blocks, block_size, backend, graph_sizes, max_model_len
+        )
     draft = config.draft_model
     if not isinstance(draft, Llama):
         raise TypeError(f"draft_model must be a lightning_llmopt Llama, got {type(draft).__name__}")
@@ -52,7 +64,7 @@ def build_drafter(config: SpeculativeConfig, target: Llama, num_blocks: int, blo
         raise ValueError(
             f"draft vocab_size ({draft.config.vocab_size}) != target vocab_size ({target.config.vocab_size})"
         )
-    return ModelDrafter(draft, blocks, block_size, backend)
+    return ModelDrafter(draft, blocks, block_size, backend, graph_sizes, max_model_len)
 
 
 def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -90,6 +102,8 @@ class SpeculativeDecoder:
         generator: the engine's generator (requests without a seed).
         stats: the engine's :class:`EngineStats` (speculation counters are added there).
         backend: attention backend for a draft model's runner.
+        graph_sizes: row counts of the engine's CUDA graphs; a draft model replays its steps from graphs of these
+            sizes too (``None``: eager).
     """
 
     def __init__(
@@ -102,6 +116,7 @@ class SpeculativeDecoder:
         generator: torch.Generator,
         stats: EngineStats,
         backend: str = "auto",
+        graph_sizes: tuple[int, ...] | None = None,
     ) -> None:
         self.config = config
         self.blocks = blocks
@@ -109,7 +124,9 @@ class SpeculativeDecoder:
         self.budget = budget
         self.generator = generator
         self.stats = stats
-        self.drafter = build_drafter(config, target, blocks.allocator.num_blocks, blocks.block_size, backend)
+        self.drafter = build_drafter(
+            config, target, blocks.allocator.num_blocks, blocks.block_size, backend, graph_sizes, max_model_len
+        )
         draft_cost = config.draft_cost
         if draft_cost is None and config.method == "prompt_lookup":
             draft_cost = 0.0
