@@ -85,3 +85,29 @@ def test_quantized_model_batch1_through_fused_decode():
     engine = LLMEngine(model, block_size=16, num_blocks=64, max_num_seqs=1)
     assert engine.runner.fused
     assert engine.generate([prompt], SamplingParams(max_tokens=32))[0].token_ids == ref.tolist()
+
+
+def test_speculative_steps_replay_cuda_graphs():
+    """Speculation on the GPU: the verify steps (1 + k rows per sequence) and the draft model's steps replay CUDA
+    graphs, and greedy output still equals full recompute in bf16 (self-drafting: every draft is accepted; an int8
+    copy: some are rejected)."""
+    from lightning_llmopt.inference.speculative import SpeculativeConfig
+
+    model = _trained_model()
+    g = torch.Generator().manual_seed(4)
+    prompts = [_periodic(g, 1, n)[0].tolist() for n in (19, 40, 66)]
+    new = 48
+    refs = [
+        greedy_generate(model, torch.tensor([p], device="cuda"), new, use_cache=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    for spec in (
+        SpeculativeConfig("draft", draft_model=model, num_tokens=4, adaptive=False),
+        SpeculativeConfig("self_quantized", quant_bits=8, num_tokens=4, adaptive=False),
+    ):
+        engine = LLMEngine(model, block_size=16, num_blocks=256, max_num_seqs=4, speculative=spec)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=new))
+        assert [o.token_ids for o in outs] == refs
+        assert engine.stats.spec_verifications > 0
+        assert any(b > 4 for b in engine.graphs.graphs), "no verify step was replayed from a graph"
+        assert engine.spec.drafter.graphs is not None and engine.spec.drafter.graphs.graphs
