@@ -324,6 +324,9 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         data, batch_size=args.micro_batch, num_workers=2 if cuda else 0, pin_memory=cuda, persistent_workers=cuda
     )
     measure = launch.measure_callback(args.warmup_steps, cuda)
+    callbacks: list[Any] = [measure]
+    if args.profile:  # two steps after warm-up (the timed figures then include the profiler's overhead)
+        callbacks.append(launch.profile_callback(args.warmup_steps, 2, cuda))
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=world,
@@ -336,7 +339,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[measure],
+        callbacks=callbacks,
     )
     trainer.fit(module, train_dataloaders=loader)
     s = measure.summary
@@ -393,6 +396,8 @@ def _worker_args(args: argparse.Namespace, variant: str, seq_len: int, json_out:
         out += ["--layers", str(args.layers)]
     if args.compile:
         out.append("--compile")
+    if args.profile:
+        out.append("--profile")
     if args.smoke:
         out.append("--smoke")
     return out
@@ -634,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--activation-checkpointing", default=None, help="ours: default none (full with --longest)")
     parser.add_argument("--compile", action="store_true", help="ours: torch.compile each block")
+    parser.add_argument(
+        "--profile", action="store_true", help="print rank 0's top operators over 2 steps into each launch's log"
+    )
     parser.add_argument("--warmup-steps", type=int, default=None, help="untimed steps (default 3; 1 with --smoke)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --smoke)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per launch (default 300)")

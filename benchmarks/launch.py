@@ -133,6 +133,38 @@ def launch(
     return row
 
 
+def profile_callback(start_step: int, steps: int, cuda: bool, rows: int = 30) -> Any:
+    """A callback that runs ``torch.profiler`` over ``steps`` training steps from ``start_step`` and prints, on rank
+    0, the top ``rows`` operators by device (or CPU) self time: where a slow variant spends its step."""
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+
+    class Profile(Callback):
+        def __init__(self) -> None:
+            self.prof: Any = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == start_step:
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if cuda:
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.prof is not None and batch_idx == start_step + steps - 1:
+                if cuda:
+                    torch.cuda.synchronize()
+                self.prof.__exit__(None, None, None)
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+                    print(self.prof.key_averages().table(sort_by=key, row_limit=rows), flush=True)
+                self.prof = None
+
+    return Profile()
+
+
 def measure_callback(warmup: int, cuda: bool) -> Any:
     """A callback timing steps (batch end to batch end after ``warmup`` steps; CUDA-synchronised) and recording
     per-rank peak memory; ``summary`` is gathered over ranks at the end of training."""
