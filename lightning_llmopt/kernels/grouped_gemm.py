@@ -10,7 +10,9 @@ use); custom ops ``lightning_llmopt::grouped_mm`` and ``lightning_llmopt::groupe
 implementations for ``torch.compile``; :class:`GroupedMM` (autograd); :func:`grouped_mm_ref`, a per-expert loop in
 PyTorch that is the CPU path and the test oracle. Backend: the ``backend`` argument, else ``LLMOPT_GROUPED_GEMM``,
 else ``"auto"`` (Triton for CUDA tensors when Triton is installed; the reference otherwise). ``"triton"`` on CPU
-needs ``TRITON_INTERPRET=1``.
+needs ``TRITON_INTERPRET=1``. ``"torch"`` calls ``torch._grouped_mm`` (CUTLASS on Hopper; differentiable in torch),
+which ran 1.5-2.2x faster than our Triton kernel on an H100 in ``benchmarks/bench_grouped_gemm.py`` (record
+``grouped-gemm-nvidia-h100-80gb-hbm3``); it is opt-in until its GPU test (odd and empty expert groups) has run.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from torch import Tensor
 
 from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
 
-__all__ = ["GroupedMM", "grouped_mm", "grouped_mm_ref"]
+__all__ = ["GroupedMM", "grouped_mm", "grouped_mm_ref", "grouped_mm_torch"]
 
 _ENV = "LLMOPT_GROUPED_GEMM"
-_BACKENDS = ("auto", "triton", "reference")
+_BACKENDS = ("auto", "triton", "reference", "torch")
 
 
 def grouped_mm_ref(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
@@ -86,7 +88,28 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         return "triton" if device.type == "cuda" and triton_available() else "reference"
     if name == "triton" and device.type != "cuda" and not triton_interpreter_enabled():
         raise RuntimeError(f"grouped GEMM backend 'triton' on {device.type} tensors needs TRITON_INTERPRET=1")
+    if name == "torch" and not hasattr(torch, "_grouped_mm"):
+        raise RuntimeError(f"grouped GEMM backend 'torch' needs torch._grouped_mm (torch {torch.__version__} lacks it)")
     return name
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (``torch._grouped_mm``'s backward rejects
+    stride-0 gradients such as the one ``y.sum()`` sends)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor) -> Tensor:  # type: ignore[override]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> Tensor:  # type: ignore[override]
+        return dy.contiguous()
+
+
+def grouped_mm_torch(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """``torch._grouped_mm`` with group end offsets from ``counts`` (int32); autograd is torch's."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(1, 2), offs=offs))
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, backend: str | None = None) -> Tensor:
@@ -100,6 +123,9 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, backend: str | None = None)
         raise ValueError(f"w {tuple(w.shape)} must be (E={counts.shape[0]}, N, K={x.shape[1]})")
     if x.dtype != w.dtype:
         raise ValueError(f"x ({x.dtype}) and w ({w.dtype}) must have the same dtype")
-    if resolve_backend(backend, x.device) == "reference":
+    name = resolve_backend(backend, x.device)
+    if name == "reference":
         return grouped_mm_ref(x, w, counts)
+    if name == "torch":
+        return grouped_mm_torch(x.contiguous(), w, counts)
     return GroupedMM.apply(x.contiguous(), w, counts)

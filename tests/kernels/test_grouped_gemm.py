@@ -65,3 +65,34 @@ def test_errors() -> None:
         grouped_mm(torch.zeros(3, 5), torch.zeros(2, 4, 6), torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="same dtype"):
         grouped_mm(torch.zeros(3, 5), torch.zeros(2, 4, 5, dtype=torch.float64), torch.tensor([1, 2]))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [[5, 0, 17, 1, 0, 9], [33], [0, 0, 3], [1, 2, 3, 4, 5, 6, 7]])
+def test_torch_backend_matches_fp64(counts: list[int], dtype: torch.dtype) -> None:
+    """``backend="torch"`` (torch._grouped_mm): forward and both gradients within 2x PyTorch's own matmul error
+    against fp64, with empty and odd expert groups, and a stride-0 output gradient (``y.sum()``)."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0) and dtype == torch.bfloat16:
+        pytest.skip("torch._grouped_mm bf16 needs sm90 here")
+    g = torch.Generator().manual_seed(len(counts) + sum(counts))
+    m, e, n, k = sum(counts), len(counts), 24, 40
+    x64 = torch.randn(m, k, generator=g, dtype=torch.float64)
+    w64 = torch.randn(e, n, k, generator=g, dtype=torch.float64) / k**0.5
+    c = torch.tensor(counts, device=DEVICE)
+    ref = grouped_mm_ref(x64, w64, torch.tensor(counts))
+    x = x64.to(DEVICE, dtype).requires_grad_()
+    w = w64.to(DEVICE, dtype).requires_grad_()
+    y = grouped_mm(x, w, c, backend="torch")
+    y.sum().backward()
+    xr, wr = x64.to(DEVICE, dtype).requires_grad_(), w64.to(DEVICE, dtype).requires_grad_()
+    yr = grouped_mm_ref(xr, wr, c)  # PyTorch's matmul in the same dtype: the error budget
+    yr.sum().backward()
+    ones = torch.ones(m, n, dtype=torch.float64)  # dL/dy of y.sum()
+    dx_ref = grouped_mm_ref(ones, w64.transpose(1, 2).contiguous(), torch.tensor(counts))
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    dw_ref = torch.stack([ones[b - c_ : b].t() @ x64[b - c_ : b] for b, c_ in zip(ends, counts, strict=True)])
+    floor = 1e-6 if dtype == torch.float32 else 0.0
+    assert _err(y, ref) <= 2 * _err(yr, ref) + floor
+    assert _err(x.grad, dx_ref) <= 2 * _err(xr.grad, dx_ref) + floor
+    assert _err(w.grad, dw_ref) <= 2 * _err(wr.grad, dw_ref) + floor
