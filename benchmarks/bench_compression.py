@@ -53,6 +53,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sparsity", type=float, default=0.5)
     p.add_argument("--gpu", action="store_true", help="run the 2:4 matmul benchmark (CUDA) instead")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument(
+        "--distill-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="only the distillation comparison, repeated for these seeds (student init and batch order); "
+        "record compression-distill-seeds",
+    )
     args, rest = p.parse_known_args(argv)
     qq = bq.parse(rest + (["--smoke"] if args.smoke else []))  # teacher/data settings shared with bench_quant_quality
     if args.smoke:
@@ -67,12 +75,14 @@ def _sched(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.L
     )
 
 
-def train_student(args: argparse.Namespace, dm: Any, init: Llama, teacher: Llama | None) -> tuple[Llama, dict]:
+def train_student(
+    args: argparse.Namespace, dm: Any, init: Llama, teacher: Llama | None, seed: int = 0
+) -> tuple[Llama, dict]:
     """Train a copy of ``init`` on the seeded batch sequence; with the KL term against ``teacher`` if given."""
     model = copy.deepcopy(init).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.student_lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = _sched(opt, args.student_steps)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     start, ds = time.perf_counter(), dm.train_dataset
     for step in range(args.student_steps):
         idx = torch.randint(0, len(ds), (args.batch_size,), generator=g).tolist()
@@ -227,9 +237,52 @@ def gpu_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def distill_seeds_main(args: argparse.Namespace) -> int:
+    """The distillation comparison alone, once per seed: is the distilled student's lower loss more than one draw?"""
+    dm = bq.data(args)
+    teacher, _ = bq.train(args, dm)
+    teacher.eval().requires_grad_(False)
+    val = bq.batches(dm, args.eval_batches, "val")
+    cfg = LlamaConfig.from_dict(
+        {**teacher.config.to_dict(), "n_layers": teacher.config.n_layers // 2, "name": "debug-1m-half"}
+    )
+    rows = []
+    for seed in args.distill_seeds:
+        torch.manual_seed(1000 + seed)
+        init = Llama(cfg)
+        base, _ = train_student(args, dm, init, None, seed=seed)
+        dist, _ = train_student(args, dm, init, teacher, seed=seed)
+        b, d = causal_lm_loss(base, val), causal_lm_loss(dist, val)
+        rows.append({"variant": f"seed{seed}", "baseline_loss": b, "distilled_loss": d, "distilled_lower": d < b})
+        print(rows[-1], flush=True)
+    record = records.make_record(
+        "compression-distill-seeds",
+        config={
+            "student_steps": args.student_steps,
+            "temperature": args.temperature,
+            "alpha": args.alpha,
+            "student_layers": cfg.n_layers,
+            "teacher": args.preset,
+            "seeds": args.distill_seeds,
+        },
+        results=rows,
+        peers=[],
+        benchmark="compression",
+        ratio_metric=None,
+        notes=[
+            "each seed: a fresh student init and batch order, shared by the baseline and the distilled student; "
+            "validation batches as in the compression record"
+        ],
+    )
+    print(f"wrote {records.write_record(record, args.results_dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)
+    if args.distill_seeds:
+        return distill_seeds_main(args)
     return gpu_main(args) if args.gpu else cpu_main(args)
 
 
