@@ -246,7 +246,7 @@ class LLMEngine:
         decode_only = all(w.samples and w.seq.num_output > 0 and w.start == w.seq.num_computed for w in work)
         decode_only = decode_only and all(w.num_tokens == w.num_logits for w in work)
         t0 = now()
-        logits = self._forward(work)
+        work, logits = self._forward(work)
         if self.spec is not None:
             events = self._speculative_sample(work, logits, items, sched)
             if decode_only:
@@ -263,10 +263,27 @@ class LLMEngine:
         self.stats.busy_s += now() - start
         return events
 
-    def _forward(self, work: list[Work]) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.accepts(work):
-            return self.graphs.run(work)
-        return self.runner.forward(self.runner.prepare(work))
+    def _forward(self, work: list[Work]) -> tuple[list[Work], torch.Tensor]:
+        """``(work, logits)``: the step's logits, one row per sampled token, in the order of the returned work.
+
+        With CUDA graphs, a step that mixes decodes with prefill chunks (continuous batching admits new requests
+        while others decode) runs its decodes and verifies from a graph and only the prefill chunks eagerly, so the
+        rows of the running batch never pay the eager launch cost; the returned order is then graph work first."""
+        g = self.graphs
+        if g is None:
+            return work, self.runner.forward(self.runner.prepare(work))
+        if g.accepts(work):
+            return work, g.run(work)
+        fast: list[Work] = []
+        slow: list[Work] = []
+        for w in work:
+            (fast if g.accepts([*fast, w]) else slow).append(w)
+        if not fast:
+            return work, self.runner.forward(self.runner.prepare(work))
+        if not slow:
+            return fast, g.run(fast)
+        slow = ModelRunner.order(slow)
+        return [*fast, *slow], torch.cat([g.run(fast), self.runner.forward(self.runner.prepare(slow))])
 
     def _speculative_sample(
         self, work: list[Work], logits: torch.Tensor, items: list[SpecItem], sched: Schedule

@@ -95,3 +95,35 @@ def test_decode_rows_and_sampled_rows():
     assert sampled_rows(work) is None  # every row sampled, in order
     catch_up = [Work(a, 7, 3), Work(b, 2, 1)]  # a draft model catching up: only the last row of each
     assert sampled_rows(catch_up) == [2, 3]
+
+
+def test_mixed_steps_split_between_graph_and_eager(model_factory, reference, prompts_factory, monkeypatch):
+    """Continuous batching: a step with decodes and a long prefill chunk runs the decodes through the graph layout
+    and only the chunk eagerly; greedy output still equals full recompute."""
+    model = model_factory(seed=4)
+    engine = _rows_engine(model, max_num_seqs=4)
+    graph_steps, eager_steps = set(), set()
+    run, forward = engine.graphs.run, engine.runner.forward
+    inside = []  # the CPU "graph" runs the runner eagerly too: those calls are not the prefill path
+
+    def spy_run(work):
+        graph_steps.add(engine.stats.steps)
+        inside.append(True)
+        try:
+            return run(work)
+        finally:
+            inside.pop()
+
+    def spy_forward(inp, max_context=None):
+        if not inside:
+            eager_steps.add(engine.stats.steps)
+        return forward(inp, max_context)
+
+    monkeypatch.setattr(engine.graphs, "run", spy_run)
+    monkeypatch.setattr(engine.runner, "forward", spy_forward)
+    prompts = prompts_factory([40, 3, 55, 24, 70, 33], 320, seed=8)  # more requests than slots: late admissions
+    max_tokens = [12, 30, 8, 25, 10, 18]
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    for p, m, o in zip(prompts, max_tokens, outs, strict=True):
+        assert o.token_ids == reference(model, p, m)
+    assert graph_steps & eager_steps, "no step was split between the graph and the eager prefill path"
