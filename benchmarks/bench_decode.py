@@ -301,6 +301,51 @@ def _breakdown(engine: Any, model: Any) -> dict[str, float]:
     }
 
 
+def _quantized_decode(
+    model: Any, prompt: torch.Tensor, prompt_len: int, n1: int, n2: int, ceil: dict, bf16_tok_s: float
+) -> list[dict]:
+    """Batch-1 decode of int8 (per channel) and int4-g128 weight-only copies of ``model`` in the engine (CUDA graphs),
+    issue 10's "decode tokens/s of the quantized llama2-7b shape in the engine"; roofline = copy bandwidth / the
+    quantized model's bytes (codes, scales and the bf16 embedding and head)."""
+    import copy
+
+    from lightning_llmopt.quantization import QuantConfig, quantize_model
+
+    rows = []
+    group = 128 if model.config.dim % 128 == 0 else 32  # the tiny smoke model's FFN width is not a multiple of 128
+    for name, cfg in (("int8", QuantConfig(bits=8, group_size=None)), (f"int4-g{group}", QuantConfig(4, group))):
+        q = copy.deepcopy(model)
+        quantize_model(q, cfg)
+        nbytes = sum(t.numel() * t.element_size() for t in [*q.parameters(), *q.buffers()])
+        engine = LLMEngine(
+            q,
+            num_blocks=2 * math.ceil((prompt_len + n2) / 16) + 2,
+            max_num_seqs=1,
+            enable_prefix_caching=False,
+            graph_batch_sizes=(1,),
+        )
+        r = _decode_rate(
+            lambda n, e=engine: e.generate([prompt.tolist()], SamplingParams(max_tokens=n, ignore_eos=True)), n1, n2, 2
+        )
+        roof = ceil["copy_tb_per_s"] * 1e12 / nbytes
+        r.update(
+            variant=f"ours-{name}-cuda-graphs",
+            model_bytes=nbytes,
+            roofline_tok_s=roof,
+            vs_roofline=r["decode_tok_s"] / roof,
+            vs_bf16=r["decode_tok_s"] / bf16_tok_s,
+        )
+        rows.append(r)
+        print(
+            f"{r['variant']}: {r['decode_tok_s']:.1f} tok/s = {r['vs_bf16']:.2f}x bf16, {r['vs_roofline']:.1%} of its "
+            f"roofline {roof:.1f}",
+            flush=True,
+        )
+        engine = q = None
+        _free()
+    return rows
+
+
 def family_decode(smoke: bool, hf_compile: bool, compile_budget: int) -> list[dict]:
     preset = "tiny" if smoke else "llama2-7b"
     hf, model = _models(preset, smoke)
@@ -342,6 +387,7 @@ def family_decode(smoke: bool, hf_compile: bool, compile_budget: int) -> list[di
         )
         engine = None
         _free()
+    results += _quantized_decode(model, prompt, prompt_len, n1, n2, ceil, results[0]["decode_tok_s"])
     ids = prompt[None].to(emb.device)
     variants = [("hf-static-eager", False)] + ([("hf-static-compiled", True)] if hf_compile else [])
     for name, comp in variants:
