@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The single-GPU measurements that code landed for without a GPU run (2026-11-22), in one call on an H100/H200:
+#   1. every GPU-marked test (quantized fused decode, speculative steps in CUDA graphs, grouped GEMM 'torch'
+#      backend, 2:4 conversion, kernels);
+#   2. speculative decoding (issue 9) now that verify and draft steps replay CUDA graphs;
+#   3. batch-1 decode of llama2-7b incl. int8/int4 in the engine (issues 8 and 10);
+#   4. continuous vs static batching now that mixed steps keep their decodes in graphs (issue 8).
+# Results and logs go to $OUT when it is set. About 12 minutes; pass step names to run a subset:
+#   bash benchmarks/run_gpu_pending.sh [tests] [spec] [decode] [serve]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG="$(mktemp)"
+copy_out() {
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    cp benchmarks/results/speculative-*.json benchmarks/results/decode-batch1-*.json \
+      benchmarks/results/decode-serve-*.json "$OUT/" 2>/dev/null || true
+    cp "$LOG" "$OUT/pending.log" 2>/dev/null || true
+  fi
+}
+trap copy_out EXIT
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests spec decode serve)
+status=0
+step() {  # step SECONDS CMD...
+  local limit=$1; shift
+  echo "=== $* (limit ${limit}s)" | tee -a "$LOG"
+  local start=$SECONDS
+  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" || status=1
+  echo "=== done in $((SECONDS - start))s" | tee -a "$LOG"
+  copy_out
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
+for s in "${steps[@]}"; do
+  case "$s" in
+    tests) step 240 python3 -m pytest -q -p no:cacheprovider tests/inference/test_gpu.py tests/compression/test_masks.py \
+      tests/kernels/test_grouped_gemm.py tests/kernels/test_paged_attention.py tests/kernels/test_quant_matmul.py ;;
+    spec) step 300 python3 benchmarks/bench_speculative.py --steps 1200 ;;
+    decode) step 150 python3 benchmarks/bench_decode.py --family decode ;;
+    serve) step 120 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
+    *) echo "unknown step $s" | tee -a "$LOG"; status=1 ;;
+  esac
+done
+python3 benchmarks/render_results.py 2>&1 | tail -1 | tee -a "$LOG" || status=1
+exit "$status"
