@@ -108,11 +108,11 @@ def find_models(module: nn.Module) -> list[nn.Module]:
 
 def validate(module: nn.Module, dims: ParallelDims, config: NDConfig) -> list[nn.Module]:
     """All checks of :func:`parallelize`, with no collective; returns the models found."""
-    if dims.pp > 1 and (dims.tp > 1 or dims.cp > 1 or dims.ep > 1):
+    if dims.pp > 1 and (dims.cp > 1 or dims.ep > 1):
         # The stage split itself is validated by parallel.pipeline.validate_pipeline before this runs.
         raise NotImplementedError(
-            f"pipeline_parallel ({dims.pp}) composes with data parallelism and ZeRO so far; got tensor_parallel "
-            f"({dims.tp}), context_parallel ({dims.cp}), expert_parallel ({dims.ep})"
+            f"pipeline_parallel ({dims.pp}) composes with data, tensor (+ sequence) parallelism and ZeRO so far; "
+            f"got context_parallel ({dims.cp}), expert_parallel ({dims.ep})"
         )
     if dims.ep > 1:
         _validate_ep(module, dims, config)

@@ -15,7 +15,9 @@ Framework-free (no Lightning). Steps:
    :meth:`PipelineRunner.train_step` splits a batch into ``M`` micro-batches, runs forward and backward with the loss
    on the last stage (each micro-batch loss divided by ``M``, so gradients are those of the batch mean) and returns
    the mean loss on every pipeline rank; :meth:`PipelineRunner.forward` runs a forward-only pass and returns the
-   last stage's output on every pipeline rank (validation).
+   last stage's output on every pipeline rank (validation). With tensor parallelism a
+   :class:`~lightning_llmopt.parallel.pipeline_tp.TPStageBoundary` keeps what crosses between stages plain tensors
+   (sequence-sharded under sequence parallelism) and rebuilds the vocabulary-sharded logits for the loss.
 
 Schedules (``torch.distributed.pipelining``; bubbles in docs/pipeline.md): ``gpipe`` (all forwards, then all
 backwards; Huang et al., arXiv 1811.06965), ``1f1b`` (PipeDream-flush: after ``P - s - 1`` warm-up forwards stage
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_llmopt.parallel.pipeline_split import StageSplit, split_stages
+from lightning_llmopt.parallel.pipeline_tp import TPStageBoundary
 
 __all__ = [
     "SCHEDULES",
@@ -261,12 +264,23 @@ class PipelineRunner:
         config: the :class:`PipelineConfig`.
         group: the ``"pp"`` process group (``mesh["pp"].get_group()``).
         device: where activations live.
+        boundary: with tensor parallelism, a :class:`~lightning_llmopt.parallel.pipeline_tp.TPStageBoundary` over
+            this rank's ``"tp"`` mesh: its hooks keep what crosses between stages plain tensors.
     """
 
     def __init__(
-        self, modules: dict[int, nn.Module], split: StageSplit, config: PipelineConfig, group: Any, device: torch.device
+        self,
+        modules: dict[int, nn.Module],
+        split: StageSplit,
+        config: PipelineConfig,
+        group: Any,
+        device: torch.device,
+        boundary: TPStageBoundary | None = None,
     ) -> None:
         self.modules, self.split, self.config, self.group, self.device = modules, split, config, group, device
+        self.boundary = boundary
+        if boundary is not None:
+            boundary.install(modules, split)
         self.pp_rank = dist.get_rank(group)
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._loss_fn: LossFn | None = None
@@ -290,6 +304,8 @@ class PipelineRunner:
             # micro-batches run: answer with a stand-in so the user's loss (logging, counters) runs only for data
             local = output.to_local() if hasattr(output, "to_local") else output
             return local.float().sum() * 0.0
+        if self.boundary is not None:
+            output = self.boundary.wrap(output)  # e.g. the vocabulary-sharded logits, as the model returned them
         return self._loss_fn(output, rows) / self.config.microbatches  # the batch mean (scale_grads=False)
 
     def _mark_real_losses(self, schedule: Any) -> None:
@@ -374,9 +390,10 @@ class PipelineRunner:
         return t
 
     @torch.no_grad()
-    def forward(self, batch: dict[str, Tensor]) -> Tensor:
+    def forward(self, batch: dict[str, Tensor]) -> Any:
         """Forward-only pass of the whole batch through every stage; the last stage's output (e.g. logits
-        ``(B, T, vocab)``) on every pipeline rank."""
+        ``(B, T, vocab)``, a vocabulary-sharded DTensor on this rank's ``"tp"`` mesh under tensor parallelism with
+        the vocab-parallel loss) on every pipeline rank."""
         kwargs = {k: batch[k] for k in ("positions", "doc_ids") if isinstance(batch.get(k), Tensor)}
         ranks = self.split.ranks
         h: Tensor | None = None
@@ -391,22 +408,24 @@ class PipelineRunner:
             if s + 1 < self.split.num_stages and ranks[s + 1] != self.pp_rank:
                 self._send(h, ranks[s + 1])
         last = ranks[-1]
+        # header: ndim, 6 sizes, dtype, layout (TPStageBoundary.encode: 0 plain, else a DTensor over "tp")
         if self.pp_rank == last:
             assert h is not None
             out = h.contiguous()
+            layout = self.boundary.encode() if self.boundary is not None else 0
             header = torch.tensor(
-                [out.ndim, *out.shape, *([0] * (6 - out.ndim)), _DTYPES.index(out.dtype)],
+                [out.ndim, *out.shape, *([0] * (6 - out.ndim)), _DTYPES.index(out.dtype), layout],
                 dtype=torch.int64,
                 device=self.device,
             )
         else:
-            header = torch.empty(8, dtype=torch.int64, device=self.device)
+            header = torch.empty(9, dtype=torch.int64, device=self.device)
         dist.broadcast(header, self._global(last), group=self.group)
+        values = header.tolist()
         if self.pp_rank != last:
-            values = header.tolist()
             out = torch.empty(values[1 : 1 + values[0]], dtype=_DTYPES[values[7]], device=self.device)
         dist.broadcast(out, self._global(last), group=self.group)
-        return out
+        return self.boundary.decode(out, values[8]) if self.boundary is not None else out
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]

@@ -213,6 +213,15 @@ def check_plan_paths(model: nn.Module, family: ModelFamily) -> None:
                 )
 
 
+def _present(root: nn.Module, path: str) -> bool:
+    """False where a pipeline stage pruned the part at ``path`` (set to ``None``)."""
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def _type_at(block: nn.Module, path: str) -> str:
     try:
         return type(block.get_submodule(path)).__name__
@@ -232,7 +241,9 @@ def apply_tp(
 
     Arguments:
         model: a finished model of a known family (our ``Llama``; transformers Llama/Mistral/Qwen2 for causal LM),
-            on the meta device or materialised (identical on every rank: shards are taken from tp rank 0).
+            on the meta device or materialised (identical on every rank: shards are taken from tp rank 0); or a
+            pipeline stage of one (:func:`~lightning_llmopt.parallel.pipeline.prune_to_stages`: the parts it set
+            to ``None`` are skipped).
         tp_mesh: the tensor-parallel ``DeviceMesh`` (e.g. ``mesh["tp"]``).
         sequence_parallel: shard norms and residuals on the sequence (inputs ``(B, T)`` need ``T % tp == 0``).
         loss_parallel: leave the logits sharded on the vocabulary (a DTensor); else gather them (a plain tensor).
@@ -293,8 +304,10 @@ def apply_tp(
                     input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
                 ),
             )
+    # a pipeline stage holds the embedding, the final norm and the head only where it is the first or last stage
+    root_plan = {path: style for path, style in root_plan.items() if _present(model, path)}
     parallelize_module(model, tp_mesh, root_plan)
-    if not sp:
+    if not sp and _present(model, family.final_norm):
         replicate_module(_get(model, family.final_norm), tp_mesh)
     if shape.tie_embeddings:  # both are Shard(0) over the vocabulary: tie the DTensor parameters again
         _get(model, family.head).weight = _get(model, family.embedding).weight  # type: ignore[union-attr]

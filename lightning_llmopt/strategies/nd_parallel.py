@@ -1,4 +1,4 @@
-"""``NDParallelStrategy``: data (ZeRO), tensor (+ sequence) and context parallelism on one ``DeviceMesh`` in Lightning.
+"""``NDParallelStrategy``: data (ZeRO), tensor (+ sequence), context and pipeline parallelism on one ``DeviceMesh``.
 
 A thin adapter over :mod:`lightning_llmopt.parallel` (``mesh``, ``parallelize``, ``context_parallel``,
 ``data_parallel``), built on :class:`~lightning_llmopt.strategies.ZeroStrategy` for launching, precision, ZeRO-1/2
@@ -9,7 +9,8 @@ and the sharded atomic checkpoints:
 - ``configure_model`` runs on the meta device when tensor parallelism or ZeRO-3 is used;
 - ``setup``: unless the user's ``configure_model`` already parallelised the model (DTensor parameters or FSDP2
   modules), apply TP -> CP -> activation checkpointing -> compile -> ZeRO-3 (:func:`~lightning_llmopt.parallel.
-  parallelize.parallelize`), then allocate and initialise the local shards;
+  parallelize.parallelize`), then allocate and initialise the local shards; with pipeline parallelism the model is
+  first pruned to this rank's stages and the schedule's stages are built last (``strategies/nd_pipeline.py``);
 - each batch is sharded on the sequence for context parallelism (``batch_to_device``); the sampler splits data over
   the ``dp`` ranks only; after backward, gradients are synchronised (:func:`~lightning_llmopt.parallel.parallelize.
   sync_gradients`); clipping uses the global norm over all shards.
@@ -47,6 +48,7 @@ from lightning_llmopt.parallel.pipeline import (
     stage_modules,
     validate_pipeline,
 )
+from lightning_llmopt.parallel.pipeline_tp import TPStageBoundary
 from lightning_llmopt.strategies.nd_pipeline import PipelineSteps, check_pipeline_combination, model_path
 from lightning_llmopt.strategies.nd_precision import NDPrecision
 from lightning_llmopt.strategies.zero import ZeroStrategy
@@ -65,13 +67,17 @@ def _user_parallelized(module: nn.Module) -> bool:
 
 
 class NDParallelStrategy(PipelineSteps, ZeroStrategy):
-    """Data, tensor, sequence and context parallelism with ZeRO, composed on one named ``DeviceMesh``.
+    """Data, tensor, sequence, context and pipeline parallelism with ZeRO, composed on one named ``DeviceMesh``.
 
     Arguments:
         data_parallel: data-parallel degree, or ``"auto"``: the world size over the other degrees.
         tensor_parallel: tensor-parallel degree (Megatron-style attention/MLP, vocab-parallel embedding and loss).
+            With ``pipeline_parallel`` each stage is tensor-parallel over its ``"tp"`` group (sequence-sharded
+            activations cross the stages under sequence parallelism; the vocab-parallel loss runs on the last stage).
         context_parallel: context-parallel degree (the sequence of each row is split over these ranks).
-        pipeline_parallel: pipeline stages over the ``"pp"`` mesh dimension (docs/pipeline.md).
+        pipeline_parallel: pipeline stages over the ``"pp"`` mesh dimension (docs/pipeline.md); composes with data
+            parallelism, ZeRO (stage 3 with one stage per rank) and tensor (+ sequence) parallelism, not yet with
+            context or expert parallelism nor ``compile`` (``NotImplementedError`` naming the degree).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``, ``"zbv"`` or ``"dualpipev"``.
         microbatches: micro-batches per step (``None``: ``pipeline_parallel``, twice that for zbv/dualpipev); the
             rows per data-parallel rank must be divisible by it.
@@ -266,8 +272,11 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         if pipelined is not None:
             model, split = pipelined
             pp_rank = self.dims.coordinates(self.global_rank)["pp"]
+            boundary = (
+                TPStageBoundary(self._device_mesh["tp"], self.nd_config.sequence_parallel) if self.dims.tp > 1 else None
+            )
             self._pipeline = PipelineRunner(stage_modules(model, split, pp_rank), split, self.pipeline_config,
-                                            self._device_mesh["pp"].get_group(), self.root_device)
+                                            self._device_mesh["pp"].get_group(), self.root_device, boundary)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.stage in (1, 2):

@@ -225,9 +225,9 @@ class PipelineSteps:
 def check_pipeline_combination(pp: int, tp: int, cp: int, ep: int, zero_stage: int, virtual_stages: int,
                                 compile: bool) -> None:
     """Layouts pipeline parallelism does not compose with yet; named errors in ``__init__``."""
-    if tp > 1 or cp > 1 or ep > 1:
+    if cp > 1 or ep > 1:
         raise NotImplementedError(
-            f"pipeline_parallel ({pp}) composes with data parallelism and ZeRO so far; got tensor_parallel ({tp}), "
+            f"pipeline_parallel ({pp}) composes with data, tensor (+ sequence) parallelism and ZeRO so far; got "
             f"context_parallel ({cp}), expert_parallel ({ep})"
         )
     if zero_stage == 3 and virtual_stages > 1:

@@ -1,6 +1,6 @@
 """NDParallelStrategy(pipeline_parallel=P) on CPU/gloo: parity with one process through Lightning's own loop for
-every schedule, PP=4, PP x DP, PP x ZeRO-2/3, clipping across stages, validation, checkpoints across pipeline
-layouts, and early errors.
+every schedule, PP=4, PP x DP, PP x ZeRO-2/3, PP x TP, clipping across stages, validation, checkpoints across
+pipeline layouts, and early errors.
 
 As in test_nd_parallel.py: ``CausalLMModule("tiny")`` (here with 4 or 8 blocks, so every stage holds one) trains 5
 AdamW steps in fp32 on the same global batches (4 rows of 16 tokens) from the same initial weights as Lightning's
@@ -87,6 +87,7 @@ def _config(nd: dict[str, Any], n_layers: int = 4, clip: float | None = None) ->
 
 
 def _run(pool: Any, init_paths: dict[int, str], configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parity of every config (asserted); returns rank 0's result of each, in ``configs`` order."""
     results = []
     for n in sorted({c["module_kwargs"]["model_overrides"]["n_layers"] for c in configs}):
         group = [c for c in configs if c["module_kwargs"]["model_overrides"]["n_layers"] == n]
@@ -97,7 +98,7 @@ def _run(pool: Any, init_paths: dict[int, str], configs: list[dict[str, Any]]) -
         n = config["module_kwargs"]["model_overrides"]["n_layers"]
         errors.append(_assert_parity(result, _reference(init_paths, n, config["clip"]), config["nd"]))
         print(f"parity {config['nd']} clip={config['clip']} n_layers={n}: {errors[-1]}")  # shown with -s
-    return errors
+    return [next(r for c, r in results if c is config) for config in configs]
 
 
 # ------------------------------------------------------------------ acceptance: parity with one process
@@ -144,6 +145,30 @@ def test_four_ranks(dist_pool: Any, init_paths: dict[int, str]) -> None:
     _run(dist_pool(4), init_paths, configs)
 
 
+PP_TP = [
+    {"schedule": "1f1b", "microbatches": 2},
+    {"schedule": "gpipe", "microbatches": 4},
+    {"schedule": "interleaved_1f1b", "microbatches": 2},  # V=2: 4 stages of 1 block
+    {"schedule": "zero_bubble", "microbatches": 4},  # backward split into input- and weight-gradient passes
+    {"schedule": "zbv", "microbatches": 4},  # V shape: rank 0 holds the first and the last stage
+    {"schedule": "1f1b", "microbatches": 2, "sequence_parallel": False, "loss_parallel": False},
+]
+
+
+def test_pipeline_with_tensor_parallel(dist_pool: Any, init_paths: dict[int, str]) -> None:
+    """PP x TP = 2 x 2 on 4 ranks: Megatron TP with sequence parallelism and the vocab-parallel loss on the last
+    stage (and without both); sequence-sharded activations cross the stages; clipping by the norm over both
+    dimensions (with the norm off by 1.5x this config fails at 2.6e-5)."""
+    base = {"pipeline_parallel": 2, "tensor_parallel": 2, "zero_stage": 0}
+    configs = [_config({**base, **nd}) for nd in PP_TP]
+    configs.append(_config({**base, "schedule": "1f1b", "microbatches": 4}, clip=0.05))
+    results = _run(dist_pool(4), init_paths, configs)
+    total = sum(p.numel() * p.element_size() for p in _reference(init_paths, 4)["params"].values())
+    for config, result in zip(configs, results, strict=True):
+        # rank 0 (stage 0, tp rank 0) holds the embedding and 2 of 4 blocks, halved by TP: ~1/4 (PP alone: ~1/2)
+        assert result["memory"]["parameters"] < 0.3 * total, (config["nd"], result["memory"], total)
+
+
 # ------------------------------------------------------------------ validation, checkpoints, errors
 def test_validation_matches_one_process(dist_pool: Any, init_paths: dict[int, str]) -> None:
     """``Trainer.validate`` on packed rows (doc_ids reach every stage): the forward-only pass, the logits broadcast
@@ -151,6 +176,16 @@ def test_validation_matches_one_process(dist_pool: Any, init_paths: dict[int, st
     ref = J.validate(None, init_paths[2])
     layouts = [{"pipeline_parallel": 2, "zero_stage": 0}, {"pipeline_parallel": 2, "zero_stage": 3}]
     for layout, metrics in zip(layouts, dist_pool(2).run(J.validate_job, init_paths[2], layouts)[0], strict=True):
+        for key in ("val/loss", "val/ppl"):
+            assert abs(metrics[key] - ref[key]) <= TOL * ref[key], (layout, key, metrics[key], ref[key])
+
+
+def test_validation_with_tensor_parallel(dist_pool: Any, init_paths: dict[int, str]) -> None:
+    """PP x TP = 2 x 2: the last stage's vocabulary-sharded logits are broadcast over the stages as local shards
+    and rebuilt on every rank's own tensor-parallel mesh, so the vocab-parallel loss runs on every rank."""
+    ref = J.validate(None, init_paths[2])
+    layouts = [{"pipeline_parallel": 2, "tensor_parallel": 2, "zero_stage": 0}]
+    for layout, metrics in zip(layouts, dist_pool(4).run(J.validate_job, init_paths[2], layouts)[0], strict=True):
         for key in ("val/loss", "val/ppl"):
             assert abs(metrics[key] - ref[key]) <= TOL * ref[key], (layout, key, metrics[key], ref[key])
 
@@ -181,6 +216,17 @@ def test_checkpoint_across_pipeline_layouts(
     _assert_resumed(out, 3)
 
 
+def test_checkpoint_from_pipeline_tensor_parallel(
+    dist_pool: Any, init_paths: dict[int, str], tmp_path: Path
+) -> None:
+    """PP x TP = 2 x 2 -> TP x DP = 2 x 2 (no pipeline): the DTensor shards of every stage are saved under the full
+    model's names and resharded on load."""
+    save = {"pipeline_parallel": 2, "tensor_parallel": 2, "zero_stage": 0}
+    load = {"tensor_parallel": 2, "data_parallel": 2, "zero_stage": 0}
+    out = dist_pool(4).run(J.reshard_job, init_paths[4], str(tmp_path / "ckpt"), save, load, 3, 6, _layers(4))[0]
+    _assert_resumed(out, 3)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
@@ -190,7 +236,8 @@ def test_checkpoint_across_pipeline_layouts(
             ValueError,
             r"microbatches \(2\) must be >= pipeline_parallel \(4\) for 1F1B",
         ),
-        ({"pipeline_parallel": 2, "tensor_parallel": 2}, NotImplementedError, r"tensor_parallel \(2\)"),
+        ({"pipeline_parallel": 2, "context_parallel": 2}, NotImplementedError, r"context_parallel \(2\)"),
+        ({"pipeline_parallel": 2, "expert_parallel": 2}, NotImplementedError, r"expert_parallel \(2\)"),
     ],
 )
 def test_bad_pipeline_arguments_are_named(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
