@@ -19,15 +19,7 @@ copy_out() {
 trap copy_out EXIT
 families=("$@")
 [ ${#families[@]} -eq 0 ] && families=(tests kernel decode serve)
-status=0
-step() {  # step SECONDS CMD...
-  local limit=$1; shift
-  echo "=== $* (limit ${limit}s)" | tee -a "$LOG"
-  local start=$SECONDS
-  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" || status=1
-  echo "=== done in $((SECONDS - start))s" | tee -a "$LOG"
-  copy_out  # after every step: a later step that runs out of time keeps what came before
-}
+source "benchmarks/gpu_step.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 for f in "${families[@]}"; do
   case "$f" in

@@ -24,15 +24,7 @@ copy_out() {
 trap copy_out EXIT
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests spec decode serve)
-status=0
-step() {  # step SECONDS CMD...
-  local limit=$1; shift
-  echo "=== $* (limit ${limit}s)" | tee -a "$LOG"
-  local start=$SECONDS
-  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" || status=1
-  echo "=== done in $((SECONDS - start))s" | tee -a "$LOG"
-  copy_out
-}
+source "benchmarks/gpu_step.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 for s in "${steps[@]}"; do
   case "$s" in
