@@ -127,10 +127,15 @@ class CausalLMModule(L.LightningModule):
         if aux is not None:  # Mixture-of-Experts balance and z-losses of this forward
             self.log("train/moe_aux_loss", aux.detach())
             loss = loss + aux
-        self.tokens_seen += batch["input_ids"].numel() * data_parallel_position(self.trainer)[0]
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/tokens_seen", float(self.tokens_seen))
         return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Here rather than in training_step: every rank runs this hook once per batch, pipeline stages included
+        # (under pipeline parallelism training_step runs per micro-batch on the last stage only).
+        self.tokens_seen += batch["input_ids"].numel() * data_parallel_position(self.trainer)[0]
+        self.log("train/tokens_seen", float(self.tokens_seen))
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

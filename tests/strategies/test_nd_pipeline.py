@@ -117,7 +117,9 @@ def test_every_schedule_two_ranks(dist_pool: Any, init_paths: dict[int, str]) ->
     configs.append(
         _config({"pipeline_parallel": 2, "schedule": "1f1b", "microbatches": 4, "zero_stage": 0}, clip=0.05)
     )  # clipped by the global norm over both stages
-    _run(dist_pool(2), init_paths, configs)
+    results = _run(dist_pool(2), init_paths, configs)
+    for config, result in zip(configs, results, strict=True):  # every stage counts the tokens, not only the last
+        assert result["tokens_seen"] == [J.STEPS * J.GLOBAL_BATCH * J.SEQ] * 2, config["nd"]
 
 
 def test_pipeline_with_zero_two_ranks(dist_pool: Any, init_paths: dict[int, str]) -> None:
@@ -167,6 +169,8 @@ def test_pipeline_with_tensor_parallel(dist_pool: Any, init_paths: dict[int, str
     for config, result in zip(configs, results, strict=True):
         # rank 0 (stage 0, tp rank 0) holds the embedding and 2 of 4 blocks, halved by TP: ~1/4 (PP alone: ~1/2)
         assert result["memory"]["parameters"] < 0.3 * total, (config["nd"], result["memory"], total)
+        # tokens counted once per data-parallel group, on every stage and tensor-parallel rank
+        assert result["tokens_seen"] == [J.STEPS * J.GLOBAL_BATCH * J.SEQ] * 4, config["nd"]
 
 
 # ------------------------------------------------------------------ validation, checkpoints, errors
