@@ -220,9 +220,7 @@ def test_checkpoint_across_pipeline_layouts(
     _assert_resumed(out, 3)
 
 
-def test_checkpoint_from_pipeline_tensor_parallel(
-    dist_pool: Any, init_paths: dict[int, str], tmp_path: Path
-) -> None:
+def test_checkpoint_from_pipeline_tensor_parallel(dist_pool: Any, init_paths: dict[int, str], tmp_path: Path) -> None:
     """PP x TP = 2 x 2 -> TP x DP = 2 x 2 (no pipeline): the DTensor shards of every stage are saved under the full
     model's names and resharded on load."""
     save = {"pipeline_parallel": 2, "tensor_parallel": 2, "zero_stage": 0}
