@@ -209,10 +209,11 @@ def summary(recorder: Recorder, trainer: L.Trainer) -> dict[str, Any]:
     params, start = full_params(trainer.lightning_module), recorder.start_params
     if getattr(getattr(trainer.strategy, "dims", None), "pp", 1) > 1:  # each rank holds its stages: the union
         params, start = union_over_ranks(params), union_over_ranks(start)
-    seen = [int(trainer.lightning_module.tokens_seen)]
+    mine = int(getattr(trainer.lightning_module, "tokens_seen", 0))  # HFModule has no counter
+    seen = [mine]
     if dist.is_initialized() and trainer.world_size > 1:
         seen = [0] * trainer.world_size
-        dist.all_gather_object(seen, int(trainer.lightning_module.tokens_seen))
+        dist.all_gather_object(seen, mine)
     return {"losses": losses.tolist(), "params": params, "start_params": start, "tokens_seen": seen}
 
 
