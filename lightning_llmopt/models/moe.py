@@ -95,6 +95,28 @@ class GroupedExperts(nn.Module):
         return expert_swiglu(x, counts, w1, w2, w3)
 
 
+class _SumForward(torch.autograd.Function):
+    """Forward sums over ``group``; backward passes the gradient through unchanged: every rank computes the same
+    function of the sum, and each rank's share of the gradient reaches the weights, whose gradients the strategy
+    then sums over the group (:func:`~lightning_llmopt.parallel.parallelize.sync_gradients`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        import torch.distributed as dist
+
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _sum_over(x: Tensor, group: Any) -> Tensor:
+    return x if group is None else _SumForward.apply(x, group)
+
+
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, scale: float) -> Tensor:  # type: ignore[override]
@@ -131,6 +153,10 @@ class MoEFeedForward(nn.Module):
         self.dispatcher: Any = LocalDispatcher()
         self.aux_loss: Tensor | None = None
         self.expert_offset = 0  # first global expert index held here (expert parallelism shards w1/w2/w3)
+        # tensor parallelism (set by parallel.tensor_parallel.apply_tp): this rank routes its slice of the sequence;
+        # the balance statistics are summed over the group, and the strategy sums the gradients of this layer's
+        # weights over it after backward
+        self.tp_group: Any = None
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
@@ -152,11 +178,24 @@ class MoEFeedForward(nn.Module):
         self.load.zero_()
         self.dropped.zero_()
 
+    def _weight(self, w: Tensor) -> Tensor:
+        """``w`` as this rank uses it: the local tensor of a DTensor replicated over tensor parallelism."""
+        return w.to_local() if hasattr(w, "to_local") else w
+
+    def _shared(self, x: Tensor) -> Tensor:
+        assert self.shared is not None
+        if self.tp_group is None:
+            return self.shared(x)
+        s = self.shared
+        h = F.silu(F.linear(x, self._weight(s.w1.weight))) * F.linear(x, self._weight(s.w3.weight))
+        return F.linear(h, self._weight(s.w2.weight))
+
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
         cfg = self.config
         rdtype = torch.promote_types(x.dtype, torch.float32)
-        logits = F.linear(x.to(rdtype), self.router.weight.to(rdtype))  # (B, T, E): routing in fp32 (or fp64)
+        router = self._weight(self.router.weight)
+        logits = F.linear(x.to(rdtype), router.to(rdtype))  # (B, T, E): routing in fp32 (or fp64)
         routing = route(
             logits,
             cfg.top_k,
@@ -166,12 +205,13 @@ class MoEFeedForward(nn.Module):
         )
         out = self.dispatcher(x.reshape(b * t, d), _flatten(routing), self).reshape(b, t, d)
         if self.shared is not None:
-            out = out + self.shared(x).to(out.dtype)
+            out = out + self._shared(x).to(out.dtype)
         aux = logits.new_zeros(())
+        group = self.tp_group
         if cfg.balance == "aux_loss" and cfg.aux_loss_coef > 0:
-            aux = aux + cfg.aux_loss_coef * aux_balance_loss(routing)
+            aux = aux + cfg.aux_loss_coef * aux_balance_loss(routing, lambda v: _sum_over(v, group))
         if cfg.z_loss_coef > 0:
-            aux = aux + cfg.z_loss_coef * z_loss(routing)
+            aux = aux + cfg.z_loss_coef * z_loss(routing, lambda v: _sum_over(v, group))
         self.aux_loss = aux
         if self.training:
             with torch.no_grad():

@@ -13,6 +13,7 @@ within one choice rank by descending router probability (batch-prioritized routi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,23 +104,34 @@ def route(
     return Routing(experts=experts, weights=weights, keep=keep, probs=probs, logits=logits)
 
 
-def aux_balance_loss(routing: Routing) -> Tensor:
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def aux_balance_loss(routing: Routing, seq_sum: Callable[[Tensor], Tensor] = _identity) -> Tensor:
     """Switch Transformer balance loss ``E * sum_i f_i * P_i`` per sequence, averaged over sequences.
 
     ``f_i``: fraction of the sequence's assignments (all k choices, before capacity) routed to expert ``i``;
     ``P_i``: mean router probability of expert ``i`` over the sequence. Equals 1 for a uniform router. Computed per
     sequence so that its mean over a batch does not depend on how the batch is split across ranks.
+    ``seq_sum``: sums per-sequence partial sums over the ranks that hold slices of each sequence (tensor
+    parallelism routes sequence slices); the identity when each rank holds whole sequences.
     """
     num_experts = routing.probs.shape[-1]
     b, t, k = routing.experts.shape
-    f = F.one_hot(routing.experts, num_experts).sum((1, 2)).float() / (t * k)  # (B, E), no gradient
-    p = routing.probs.mean(1)  # (B, E)
+    counts = seq_sum(F.one_hot(routing.experts, num_experts).sum((1, 2)).float())  # (B, E), no gradient
+    tokens = seq_sum(routing.probs.new_full((b, 1), float(t)))
+    f = counts / (tokens * k)
+    p = seq_sum(routing.probs.sum(1)) / tokens  # (B, E)
     return num_experts * (f * p).sum(-1).mean()
 
 
-def z_loss(routing: Routing) -> Tensor:
-    """Router z-loss (ST-MoE): mean over tokens of ``logsumexp(logits)**2``."""
-    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+def z_loss(routing: Routing, seq_sum: Callable[[Tensor], Tensor] = _identity) -> Tensor:
+    """Router z-loss (ST-MoE): mean over tokens of ``logsumexp(logits)**2`` (``seq_sum`` as in
+    :func:`aux_balance_loss`)."""
+    z = torch.logsumexp(routing.logits, dim=-1).square()
+    total = seq_sum(torch.stack([z.sum(), z.new_tensor(float(z.numel()))]))
+    return total[0] / total[1]
 
 
 def load_stats(routing: Routing) -> tuple[Tensor, Tensor]:

@@ -33,7 +33,14 @@ from torch import Tensor, nn
 from lightning_llmopt.models.moe import MoEFeedForward, moe_layers
 from lightning_llmopt.models.moe_routing import Routing
 
-__all__ = ["AllToAllDispatcher", "apply_expert_parallel", "expert_groups", "is_expert_param", "reduce_gradients"]
+__all__ = [
+    "AllToAllDispatcher",
+    "apply_expert_parallel",
+    "expert_groups",
+    "expert_param_ids",
+    "is_expert_param",
+    "reduce_gradients",
+]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -100,7 +107,20 @@ def expert_groups(world_size: int, ep: int) -> tuple[list[list[int]], list[list[
 
 
 def is_expert_param(p: Tensor) -> bool:
+    """Whether ``p`` was made an expert shard by :func:`apply_expert_parallel` (a marker on the parameter object;
+    code that may see re-created parameters, e.g. after materialising a meta model, uses :func:`expert_param_ids`)."""
     return bool(getattr(p, "_expert_parallel", False))
+
+
+def expert_param_ids(model: nn.Module) -> set[int]:
+    """``id`` of every expert weight sharded by expert parallelism: the experts of MoE layers whose dispatcher is
+    an :class:`AllToAllDispatcher`. Structural, so it holds for whatever parameter objects the layers hold now."""
+    return {
+        id(p)
+        for layer in moe_layers(model)
+        if isinstance(layer.dispatcher, AllToAllDispatcher)
+        for p in layer.experts.parameters()
+    }
 
 
 @torch.no_grad()
@@ -129,8 +149,9 @@ def apply_expert_parallel(model: nn.Module, group: Any) -> list[MoEFeedForward]:
             if mesh is not None:
                 from torch.distributed.tensor import DTensor, Shard
 
-                data = DTensor.from_local(data, mesh, [Shard(0)], run_check=False, shape=full.shape,
-                                          stride=full.stride())
+                data = DTensor.from_local(
+                    data, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+                )
             shard = nn.Parameter(data, requires_grad=full.requires_grad)
             shard._expert_parallel = True  # type: ignore[attr-defined]
             setattr(layer.experts, name, shard)
@@ -146,11 +167,12 @@ def reduce_gradients(model: nn.Module, world_group: Any = None, expert_dp_group:
     group), expert parameters over
     ``expert_dp_group`` (the ranks with the same experts; ``None``: no copies). Expert gradients arrive already
     divided by the EP size (``GroupedExperts.grad_scale``), so both averages give the global-batch mean."""
+    experts = expert_param_ids(model)
     for p in model.parameters():
         if p.grad is None:
             continue
         grad = _local(p.grad)
-        if is_expert_param(p):
+        if id(p) in experts or is_expert_param(p):
             if expert_dp_group is None:
                 continue  # one copy of these experts: nothing to average
             group = expert_dp_group

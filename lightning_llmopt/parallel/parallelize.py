@@ -116,6 +116,8 @@ def validate(module: nn.Module, dims: ParallelDims, config: NDConfig) -> list[nn
         )
     if dims.ep > 1:
         _validate_ep(module, dims, config)
+    if dims.tp > 1:
+        _validate_moe_tp(module, dims)
     if config.zero_stage in (1, 2) and dims.tp > 1:
         raise ValueError(
             f"zero_stage ({config.zero_stage}) with tensor_parallel ({dims.tp}): the ZeRO-1/2 engine "
@@ -180,10 +182,10 @@ def _validate_ep(module: nn.Module, dims: ParallelDims, config: NDConfig) -> Non
             raise ValueError(
                 f"num_experts ({layer.config.num_experts}) must be divisible by expert_parallel ({dims.ep})"
             )
-    if dims.tp > 1 or dims.cp > 1:
+    if dims.cp > 1:
         raise ValueError(
-            f"expert_parallel ({dims.ep}) composes with data parallelism only so far; got tensor_parallel "
-            f"({dims.tp}), context_parallel ({dims.cp})"
+            f"expert_parallel ({dims.ep}) composes with data and tensor parallelism so far; got context_parallel "
+            f"({dims.cp})"
         )
     if config.zero_stage in (1, 2):
         raise ValueError(
@@ -191,6 +193,20 @@ def _validate_ep(module: nn.Module, dims: ParallelDims, config: NDConfig) -> Non
             f"sharded over 'dp_rep' x 'ep'); the ZeRO-1/2 engine's flat buffers span all data-parallel ranks, "
             f"got zero_stage={config.zero_stage}"
         )
+
+
+def _validate_moe_tp(module: nn.Module, dims: ParallelDims) -> None:
+    """Tensor parallelism routes each rank's slice of the sequence through the MoE layers: capacity limits are per
+    sequence and would need the whole sequence's routing on every rank."""
+    from lightning_llmopt.models.moe import moe_layers
+
+    for layer in moe_layers(module):
+        if layer.config.capacity_factor is not None:
+            raise ValueError(
+                f"tensor_parallel ({dims.tp}) with a Mixture-of-Experts capacity_factor "
+                f"({layer.config.capacity_factor}): each tensor-parallel rank routes a slice of the sequence, and "
+                "capacity is per sequence; use dropless routing (capacity_factor=None) with tensor parallelism"
+            )
 
 
 def _is_meta(module: nn.Module) -> bool:
@@ -227,6 +243,10 @@ def parallelize(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDConf
             from lightning_llmopt.parallel.expert_parallel import apply_expert_parallel
 
             apply_expert_parallel(model, mesh["ep"])
+        elif dims.tp > 1:
+            from lightning_llmopt.parallel.tensor_parallel import replicate_experts
+
+            replicate_experts(model, mesh["tp"])
         if config.activation_checkpointing != "none":
             apply_activation_checkpointing(model, config.activation_checkpointing)
         if config.compile:
@@ -264,7 +284,6 @@ def _fully_shard_experts(module: nn.Module, mesh: Any, dims: ParallelDims, confi
             reshard_after_forward=config.reshard_after_forward,
             shard_placement_fn=lambda _param: Shard(1),
         )
-
 
 
 def _fully_shard(module: nn.Module, done: Parallelized, dp_mesh: Any, config: NDConfig) -> None:
@@ -341,6 +360,10 @@ def _reset_hf_rotary(module: nn.Module, device: torch.device) -> None:
 def sync_gradients(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDConfig, fsdp: bool) -> None:
     """After backward (collective): reduce ``Partial`` TP gradients unless FSDP2 did, then average over ``dp_cp``
     with ``zero_stage == 0``."""
+    if dims.tp > 1:
+        from lightning_llmopt.parallel.tensor_parallel import sum_moe_grads
+
+        sum_moe_grads(module)
     if dims.tp > 1 and not fsdp:
         reduce_partial_grads(module)
     if config.zero_stage == 0 and dims.dp_cp > 1:
@@ -354,6 +377,6 @@ def sync_gradients(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDC
 
 
 def _expert_params(module: nn.Module) -> set[int]:
-    from lightning_llmopt.parallel.expert_parallel import is_expert_param
+    from lightning_llmopt.parallel.expert_parallel import expert_param_ids
 
-    return {id(p) for p in module.parameters() if is_expert_param(p)}
+    return expert_param_ids(module)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from lightning_llmopt.parallel.tp_plans import ModelFamily, ModelShape, find_family
 
-__all__ = ["apply_tp", "check_plan_paths", "reduce_partial_grads", "validate_tp"]
+__all__ = ["apply_tp", "check_plan_paths", "reduce_partial_grads", "replicate_experts", "sum_moe_grads", "validate_tp"]
 
 
 def validate_tp(shape: ModelShape, tp: int) -> None:
@@ -149,11 +149,12 @@ def _replicate_kv(linear: nn.Module, mesh: Any, shape: ModelShape) -> None:
 # --------------------------------------------------------------------------- plans
 
 
-def _block_plan(f: ModelFamily, sp: bool, replicate_kv: bool) -> dict[str, Any]:
+def _block_plan(f: ModelFamily, sp: bool, replicate_kv: bool, moe: bool = False) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
     )
@@ -163,10 +164,20 @@ def _block_plan(f: ModelFamily, sp: bool, replicate_kv: bool) -> dict[str, Any]:
     plan: dict[str, Any] = {
         f"{att}.{f.q}": ColwiseParallel(),
         f"{att}.{f.o}": RowwiseParallel(output_layouts=out),
-        f"{f.mlp}.{f.gate}": ColwiseParallel(),
-        f"{f.mlp}.{f.up}": ColwiseParallel(),
-        f"{f.mlp}.{f.down}": RowwiseParallel(output_layouts=out),
     }
+    if not moe:
+        plan[f"{f.mlp}.{f.gate}"] = ColwiseParallel()
+        plan[f"{f.mlp}.{f.up}"] = ColwiseParallel()
+        plan[f"{f.mlp}.{f.down}"] = RowwiseParallel(output_layouts=out)
+    elif not sp:  # the MoE layer routes this rank's slice of the sequence: slice in, gather out
+        plan[f.mlp] = PrepareModuleInputOutput(
+            input_layouts=(Replicate(),),
+            desired_input_layouts=(Shard(1),),
+            use_local_input=True,
+            output_layouts=(Shard(1),),
+            desired_output_layouts=(Replicate(),),
+            use_local_output=True,
+        )
     if not replicate_kv:
         plan[f"{att}.{f.k}"] = ColwiseParallel()
         plan[f"{att}.{f.v}"] = ColwiseParallel()
@@ -186,19 +197,50 @@ def _block_plan(f: ModelFamily, sp: bool, replicate_kv: bool) -> dict[str, Any]:
                 desired_input_layouts=(Replicate(), *[None] * (n - 1)),
                 use_local_output=True,
             )
-        plan[f.mlp] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        plan[f.mlp] = PrepareModuleInput(  # dense: gather the sequence; MoE: route the local slice
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1) if moe else Replicate(),), use_local_output=True
         )
     return plan
 
 
+def _moe_of(block: nn.Module, family: ModelFamily) -> Any:
+    from lightning_llmopt.models.moe import MoEFeedForward
+
+    try:
+        mlp = block.get_submodule(family.mlp)
+    except AttributeError:
+        return None
+    return mlp if isinstance(mlp, MoEFeedForward) else None
+
+
+def _shard_moe(moe: Any, tp_mesh: Any) -> None:
+    """Tensor parallelism of a Mixture-of-Experts feed-forward: each rank routes its slice of the sequence through
+    the same router and experts (expert parallelism shards the experts, not TP), so the router and shared-expert
+    weights become replicated DTensors whose gradients :func:`sum_moe_grads` sums over the group after backward,
+    and the balance and z-losses sum their per-sequence statistics over it."""
+    _replicate_params("", moe.router, tp_mesh)
+    if moe.shared is not None:
+        for linear in (moe.shared.w1, moe.shared.w2, moe.shared.w3):
+            _replicate_params("", linear, tp_mesh)
+    moe.tp_group = tp_mesh.get_group()
+
+
+def replicate_experts(model: nn.Module, tp_mesh: Any) -> None:
+    """Expert weights not sharded by expert parallelism: replicated DTensors over ``tp_mesh`` like the router (so
+    FSDP2 sees one mesh per block); :func:`sum_moe_grads` sums their gradients over the group."""
+    from lightning_llmopt.models.moe import moe_layers
+
+    for layer in moe_layers(model):
+        _replicate_params("", layer.experts, tp_mesh)
+
+
 def check_plan_paths(model: nn.Module, family: ModelFamily) -> None:
     """Raise ``ValueError`` naming the first projection the family's plan expects as an ``nn.Linear`` that a block
-    lacks (e.g. a Mixture-of-Experts feed-forward, whose experts expert parallelism splits instead)."""
+    lacks (Mixture-of-Experts feed-forwards have their own plan: :func:`_shard_moe`)."""
     paths = [f"{family.attention}.{p}" for p in (family.q, family.k, family.v, family.o)]
-    paths += [f"{family.mlp}.{p}" for p in (family.gate, family.up, family.down)]
+    mlp_paths = [f"{family.mlp}.{p}" for p in (family.gate, family.up, family.down)]
     for i, block in enumerate(_blocks(model, family)):
-        for path in paths:
+        for path in paths + ([] if _moe_of(block, family) is not None else mlp_paths):
             try:
                 module: nn.Module | None = block.get_submodule(path)
             except AttributeError:
@@ -208,8 +250,7 @@ def check_plan_paths(model: nn.Module, family: ModelFamily) -> None:
                 found = type(module).__name__ if module is not None else f"none in {_type_at(block, owner)}"
                 raise ValueError(
                     f"tensor-parallel plan {family.name!r} expects an nn.Linear at {family.blocks}.{i}.{path}, "
-                    f"found {found}; Mixture-of-Experts feed-forwards are split by expert parallelism, not by "
-                    "this plan"
+                    f"found {found}"
                 )
 
 
@@ -285,7 +326,10 @@ def apply_tp(
     replicate_kv = shape.n_kv_heads < tp
     blocks = _blocks(model, family)
     for i, block in enumerate(blocks):
-        parallelize_module(block, tp_mesh, _block_plan(family, sp, replicate_kv))
+        moe = _moe_of(block, family)
+        parallelize_module(block, tp_mesh, _block_plan(family, sp, replicate_kv, moe=moe is not None))
+        if moe is not None:
+            _shard_moe(moe, tp_mesh)
         attention = _get(block, family.attention)
         if not sp:
             replicate_module(_get(block, family.attention_norm), tp_mesh)
@@ -312,6 +356,29 @@ def apply_tp(
     if shape.tie_embeddings:  # both are Shard(0) over the vocabulary: tie the DTensor parameters again
         _get(model, family.head).weight = _get(model, family.embedding).weight  # type: ignore[union-attr]
     return family
+
+
+@torch.no_grad()
+def sum_moe_grads(module: nn.Module) -> int:
+    """After backward: sum the gradients of every tensor-parallel MoE layer's weights over its group (each rank
+    routed its own slice of the sequence). Sums are linear, so this also holds after FSDP2's reduce-scatter (every
+    tensor-parallel rank holds the same data-parallel shard). A weight no token reached has a zero gradient here, so
+    every rank runs the same collectives. Returns the number of tensors summed."""
+    from lightning_llmopt.models.moe import moe_layers
+    from lightning_llmopt.parallel.data_parallel import local_tensor
+
+    n = 0
+    for layer in moe_layers(module):
+        if layer.tp_group is None:
+            continue
+        for p in layer.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(local_tensor(p.grad), group=layer.tp_group)
+            n += 1
+    return n
 
 
 @torch.no_grad()

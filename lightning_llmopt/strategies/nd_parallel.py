@@ -86,7 +86,8 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         pipeline_balance_ends: Llama-3 balancing: the embedding and the head + loss count toward the first and last
             stages, which then hold fewer blocks.
         expert_parallel: experts of MoE layers sharded over this many data-parallel ranks (all-to-all dispatch;
-            needs ``LlamaConfig(moe=...)``, ``zero_stage=0``, no TP/CP so far).
+            needs ``LlamaConfig(moe=...)`` and ``zero_stage`` 0 or 3; composes with tensor parallelism, where each
+            tensor-parallel rank routes its slice of the sequence; not with CP or PP so far).
         zero_stage: 0 (gradients all-reduced over ``dp*cp``, optimizer state replicated), 1/2 (our ZeRO engine;
             not with tensor parallelism), 3 (FSDP2 over ``dp*cp``, 2-D with tensor parallelism).
         sequence_parallel: with TP, shard norms and residuals on the sequence.

@@ -27,8 +27,15 @@ _spec.loader.exec_module(J)
 
 TOL = 1e-6
 DROPLESS = {"num_experts": 4, "top_k": 2, "z_loss_coef": 1e-3}
-CAPACITY = {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0, "balance": "aux_free", "bias_update_rate": 0.01,
-            "num_shared_experts": 1}
+CAPACITY = {
+    "num_experts": 4,
+    "top_k": 2,
+    "capacity_factor": 1.0,
+    "balance": "aux_free",
+    "bias_update_rate": 0.01,
+    "num_shared_experts": 1,
+}
+SHARED = {"num_experts": 4, "top_k": 2, "balance": "aux_free", "bias_update_rate": 0.01, "num_shared_experts": 1}
 
 
 def _kwargs(moe: dict[str, Any]) -> dict[str, Any]:
@@ -39,7 +46,7 @@ def _kwargs(moe: dict[str, Any]) -> dict[str, Any]:
 def init_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("nd_ep")
     paths = {}
-    for name, moe in (("dropless", DROPLESS), ("capacity", CAPACITY)):
+    for name, moe in (("dropless", DROPLESS), ("capacity", CAPACITY), ("shared", SHARED)):
         L.seed_everything(0, verbose=False)
         module = CausalLMModule("tiny", **_kwargs(moe))
         module.configure_model()
@@ -74,8 +81,7 @@ def test_expert_parallel_matches_one_process(
     per_rank = dist_pool(world).run(ep_job, init_paths, {"expert_parallel": 2, "zero_stage": zero_stage})
     assert all(r["local_experts"] == 2 and r["dispatcher"] == "AllToAllDispatcher" for rs in per_rank for r in rs)
     if zero_stage == 3:  # 2-D: experts over 'ep' (dim 0) and FSDP2 over 'dp_rep' (dim 1)
-        assert all(r["placements"] == ["S(1)", "S(0)"] for rs in per_rank
-                   for r in rs), per_rank[0][0]["placements"]
+        assert all(r["placements"] == ["S(1)", "S(0)"] for rs in per_rank for r in rs), per_rank[0][0]["placements"]
     results = per_rank[0]
     for (name, moe), result in zip((("dropless", DROPLESS), ("capacity", CAPACITY)), results, strict=True):
         ref = J.summary(*J.fit(None, init_path=init_paths[name], module_kwargs=_kwargs(moe)))
@@ -86,11 +92,59 @@ def test_expert_parallel_matches_one_process(
         assert result["params"]["model.layers.0.feed_forward.experts.w1"].shape[0] == 4  # gathered: all experts
         err = float((_flat(result["params"]) - _flat(ref["params"])).norm() / _flat(ref["params"]).norm())
         worst = sorted(
-            ((float((result["params"][k].double() - v.double()).norm() / v.double().norm()), k)
-             for k, v in ref["params"].items()),
+            (
+                (float((result["params"][k].double() - v.double()).norm() / v.double().norm()), k)
+                for k, v in ref["params"].items()
+            ),
             reverse=True,
         )[:3]
         assert err <= TOL, (name, err, worst)
+
+
+def tp_job(paths: dict[str, str], nd: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for name, moe in (("dropless", DROPLESS), ("shared", SHARED)):
+        recorder, trainer = J.fit(nd, init_path=paths[name], module_kwargs=_kwargs(moe))
+        layer = trainer.lightning_module.model.layers["0"].feed_forward
+        result = J.summary(recorder, trainer)
+        result["tp_group"] = layer.tp_group is not None
+        result["router"] = type(layer.router.weight).__name__
+        result["aux"] = float(layer.aux_loss.detach()) if layer.aux_loss is not None else None
+        out.append(result)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world", "nd"),
+    [
+        (2, {"tensor_parallel": 2, "zero_stage": 0}),
+        (2, {"tensor_parallel": 2, "zero_stage": 0, "sequence_parallel": False}),
+        (4, {"tensor_parallel": 2, "zero_stage": 0}),
+        (4, {"tensor_parallel": 2, "expert_parallel": 2, "zero_stage": 0}),
+        (4, {"tensor_parallel": 2, "expert_parallel": 2, "zero_stage": 3}),
+    ],
+)
+def test_moe_with_tensor_parallel_matches_one_process(
+    dist_pool: Any, init_paths: dict[str, str], world: int, nd: dict[str, Any]
+) -> None:
+    """TP (+ EP) on MoE models: each tensor-parallel rank routes its slice of the sequence (router, shared and
+    expert gradients summed over TP; balance and z-loss statistics summed per sequence), so losses, parameters and
+    the balance loss equal one process's to 1e-6 (dropless with the aux balance loss and z-loss; shared expert with
+    aux-free bias balancing)."""
+    per_rank = dist_pool(world).run(tp_job, init_paths, nd)
+    assert all(r["tp_group"] and r["router"] == "DTensor" for rs in per_rank for r in rs)
+    for i, ((name, moe), result) in enumerate(
+        zip((("dropless", DROPLESS), ("shared", SHARED)), per_rank[0], strict=True)
+    ):
+        ref = J.summary(*J.fit(None, init_path=init_paths[name], module_kwargs=_kwargs(moe)))
+        losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(ref["losses"])
+        assert float(((losses - ref_losses).abs() / ref_losses.abs()).max()) <= TOL, (name, losses, ref_losses)
+        assert sorted(result["params"]) == sorted(ref["params"])
+        err = float((_flat(result["params"]) - _flat(ref["params"])).norm() / _flat(ref["params"]).norm())
+        assert err <= TOL, (name, err)
+        tp = nd["tensor_parallel"]
+        for g in range(world // tp):  # the ranks of one tensor-parallel group computed the same balance loss
+            assert len({rs[i]["aux"] for rs in per_rank[g * tp : (g + 1) * tp]}) == 1, name
 
 
 def _fit_error(nd: dict[str, Any], moe: dict[str, Any]) -> str:
@@ -105,6 +159,11 @@ def test_expert_parallel_layout_errors(dist_pool: Any) -> None:
     cases = [
         ({"expert_parallel": 2, "zero_stage": 2}, DROPLESS, r"expert_parallel \(2\) runs with zero_stage 0"),
         ({"expert_parallel": 2, "zero_stage": 0}, {**DROPLESS, "num_experts": 3}, r"num_experts \(3\) must be"),
+        (
+            {"tensor_parallel": 2, "zero_stage": 0},
+            CAPACITY,
+            r"tensor_parallel \(2\) with a Mixture-of-Experts capacity",
+        ),
     ]
     for nd, moe, message in cases:
         for text in dist_pool(2).run(_fit_error, nd, moe):
