@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["all_reduce_gradients", "broadcast_parameters", "clip_grad_norm_", "grad_norm", "local_tensor"]
+__all__ = ["all_reduce_gradients", "broadcast_parameters", "clip_grad_norm_", "grad_norm", "is_shard", "local_tensor"]
 
 _BUCKET_BYTES = 32 * 2**20
 
@@ -93,7 +93,7 @@ def broadcast_parameters(module: nn.Module, mesh: Any, dim_name: str, *, skip_sh
         if (exclude is not None and id(p) in exclude) or (only is not None and id(p) not in only):
             continue
         placement = _placement_on(p, dim_name)
-        if skip_sharded and placement is not None and placement.is_shard():
+        if skip_sharded and placement is not None and is_shard(placement):
             continue
         t = local_tensor(p.data)
         if t.numel():
@@ -108,8 +108,15 @@ def _replicas(t: Tensor, world: int) -> int:
     if not isinstance(t, DTensor):
         return world
     mesh = t.device_mesh
-    sharded = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard())
+    sharded = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if is_shard(p))
     return max(world // sharded, 1)
+
+
+def is_shard(placement: Any) -> bool:
+    """``Shard`` or torch's ``_StridedShard`` (FSDP2 gives the data-parallel dimension of a tensor-parallel weight
+    that placement; its ``is_shard()`` is False in torch 2.13, so counting it as replicated halved those terms of
+    the global norm under ZeRO-3 x TP)."""
+    return placement.is_shard() or hasattr(placement, "split_factor")
 
 
 def grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> Tensor:

@@ -230,6 +230,8 @@ def pipeline_grad_norm(params: list[nn.Parameter], pp: int) -> Tensor:
     dimensions a DTensor is sharded on), one all-reduce over all ranks."""
     from torch.distributed.tensor import DTensor
 
+    from lightning_llmopt.parallel.data_parallel import is_shard
+
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -241,7 +243,7 @@ def pipeline_grad_norm(params: list[nn.Parameter], pp: int) -> Tensor:
         if isinstance(g, DTensor):
             sharded = int(
                 torch.tensor(
-                    [g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard()] or [1]
+                    [g.device_mesh.size(i) for i, pl in enumerate(g.placements) if is_shard(pl)] or [1]
                 ).prod()
             )
             g = g.to_local()
