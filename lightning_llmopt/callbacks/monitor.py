@@ -78,8 +78,9 @@ class TrainingMonitor(L.Callback):
             torch.cuda.synchronize(pl_module.device)
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._window_start is None and trainer.global_step >= self.skip_first_steps:
             self._sync(pl_module)
             self._window_start = time.perf_counter()
@@ -89,14 +90,24 @@ class TrainingMonitor(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if not self.grad_norm or (trainer.global_step + 1) % self.log_every_n_steps != 0:
             return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        if grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-            pl_module.log("train/grad_norm", norm)
+        params = [p for p in pl_module.parameters() if p.grad is not None]
+        if not params:
+            return
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p.grad, DTensor) for p in params):
+            # sharded over one or several meshes (TP, FSDP2, expert shards): each shard counted once, one collective
+            from lightning_llmopt.parallel.data_parallel import grad_norm
+
+            norm = grad_norm(params)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+        pl_module.log("train/grad_norm", norm)
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._window_start is None:
             return
         ids = batch["input_ids"] if isinstance(batch, dict) else batch[0]
@@ -143,10 +154,12 @@ def moe_metrics(stats: dict[str, Tensor]) -> dict[str, float]:
     if not stats:
         return {}
     load, cv, dropped = stats["load"], stats["load_cv"], stats["dropped_fraction"]
-    metrics = {"moe/load_cv": float(cv.mean()), "moe/load_cv_max": float(cv.max()),
-               "moe/dropped_fraction": float(dropped.mean())}
+    metrics = {
+        "moe/load_cv": float(cv.mean()),
+        "moe/load_cv_max": float(cv.max()),
+        "moe/dropped_fraction": float(dropped.mean()),
+    }
     for layer, row in enumerate(load.tolist()):
         for expert, count in enumerate(row):
             metrics[f"moe/expert_tokens/{layer}/{expert}"] = float(count)
     return metrics
-

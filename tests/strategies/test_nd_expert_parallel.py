@@ -101,12 +101,19 @@ def test_expert_parallel_matches_one_process(
         assert err <= TOL, (name, err, worst)
 
 
+def _monitor() -> Any:
+    from lightning_llmopt import TrainingMonitor
+
+    return TrainingMonitor(log_every_n_steps=1, skip_first_steps=0)
+
+
 def tp_job(paths: dict[str, str], nd: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for name, moe in (("dropless", DROPLESS), ("shared", SHARED)):
-        recorder, trainer = J.fit(nd, init_path=paths[name], module_kwargs=_kwargs(moe))
+        recorder, trainer = J.fit(nd, init_path=paths[name], module_kwargs=_kwargs(moe), callbacks=[_monitor()])
         layer = trainer.lightning_module.model.layers["0"].feed_forward
         result = J.summary(recorder, trainer)
+        result["grad_norm"] = float(trainer.callback_metrics["train/grad_norm"])
         result["tp_group"] = layer.tp_group is not None
         result["router"] = type(layer.router.weight).__name__
         result["aux"] = float(layer.aux_loss.detach()) if layer.aux_loss is not None else None
@@ -120,6 +127,7 @@ def tp_job(paths: dict[str, str], nd: dict[str, Any]) -> list[dict[str, Any]]:
         (2, {"tensor_parallel": 2, "zero_stage": 0}),
         (2, {"tensor_parallel": 2, "zero_stage": 0, "sequence_parallel": False}),
         (4, {"tensor_parallel": 2, "zero_stage": 0}),
+        (4, {"tensor_parallel": 2, "zero_stage": 3}),
         (4, {"tensor_parallel": 2, "expert_parallel": 2, "zero_stage": 0}),
         (4, {"tensor_parallel": 2, "expert_parallel": 2, "zero_stage": 3}),
     ],
@@ -136,9 +144,13 @@ def test_moe_with_tensor_parallel_matches_one_process(
     for i, ((name, moe), result) in enumerate(
         zip((("dropless", DROPLESS), ("shared", SHARED)), per_rank[0], strict=True)
     ):
-        ref = J.summary(*J.fit(None, init_path=init_paths[name], module_kwargs=_kwargs(moe)))
+        recorder, trainer = J.fit(None, init_path=init_paths[name], module_kwargs=_kwargs(moe), callbacks=[_monitor()])
+        ref = J.summary(recorder, trainer)
         losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(ref["losses"])
         assert float(((losses - ref_losses).abs() / ref_losses.abs()).max()) <= TOL, (name, losses, ref_losses)
+        # TrainingMonitor's gradient norm over TP, expert and FSDP shards (several meshes) is the single process's
+        ref_norm = float(trainer.callback_metrics["train/grad_norm"])
+        assert abs(result["grad_norm"] - ref_norm) <= 1e-5 * ref_norm, (name, result["grad_norm"], ref_norm)
         assert sorted(result["params"]) == sorted(ref["params"])
         err = float((_flat(result["params"]) - _flat(ref["params"])).norm() / _flat(ref["params"]).norm())
         assert err <= TOL, (name, err)
