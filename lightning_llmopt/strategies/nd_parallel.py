@@ -181,6 +181,7 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         self._parallel: Parallelized | None = None
         self._sync_blocked = False
         self._pipeline: PipelineRunner | None = None
+        self._pipeline_owner: Any = None  # the LightningModule whose model the pipeline was built from
         self._pipeline_model = ""  # the model's path in the LightningModule
         self._pipelined_step = False
 
@@ -256,7 +257,8 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         module = self.lightning_module
         assert module is not None
         pipelined = None
-        if self.dims.pp > 1:
+        if self.dims.pp > 1 and not (self._pipeline is not None and self._pipeline_owner is module):
+            # (a later fit/validate/test of the same trainer reuses the stages an earlier one split and parallelised)
             if _user_parallelized(module):
                 raise ValueError(f"pipeline_parallel ({self.dims.pp}) needs an unparallelised model from "
                                  "configure_model; the strategy splits it into stages")
@@ -278,6 +280,7 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
             )
             self._pipeline = PipelineRunner(stage_modules(model, split, pp_rank), split, self.pipeline_config,
                                             self._device_mesh["pp"].get_group(), self.root_device, boundary)
+            self._pipeline_owner = module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.stage in (1, 2):

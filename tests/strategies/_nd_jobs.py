@@ -284,5 +284,17 @@ def validate(nd: dict[str, Any] | None, init_path: str) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def fit_then_validate(nd: dict[str, Any] | None, init_path: str) -> dict[str, float]:
+    """``Trainer.fit`` for 2 steps, then ``Trainer.validate`` on the same trainer (the strategy's setup runs twice)."""
+    _, trainer = fit(nd, steps=2, init_path=init_path)
+    loader = torch.utils.data.DataLoader(Tokens(8, packed=True), batch_size=8)
+    (metrics,) = trainer.validate(trainer.lightning_module, loader, verbose=False)
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def fit_then_validate_job(init_path: str, layouts: list[dict[str, Any]]) -> list[dict[str, float]]:
+    return [fit_then_validate(nd, init_path) for nd in layouts]
+
+
 def validate_job(init_path: str, layouts: list[dict[str, Any]]) -> list[dict[str, float]]:
     return [validate(nd, init_path) for nd in layouts]

@@ -184,6 +184,20 @@ def test_validation_matches_one_process(dist_pool: Any, init_paths: dict[int, st
             assert abs(metrics[key] - ref[key]) <= TOL * ref[key], (layout, key, metrics[key], ref[key])
 
 
+def test_validate_after_fit_on_the_same_trainer(dist_pool: Any, init_paths: dict[int, str]) -> None:
+    """``fit`` then ``validate`` on one Trainer: the second setup reuses the stages the first split and parallelised
+    (it used to refuse the already-parallelised model), and the validation loss is the single process's."""
+    ref = J.fit_then_validate(None, init_paths[2])
+    layouts = [  # parameters that are DTensors after the first setup: TP shards, FSDP2 shards
+        {"pipeline_parallel": 2, "tensor_parallel": 2, "zero_stage": 0},
+        {"pipeline_parallel": 2, "data_parallel": 2, "zero_stage": 3},
+    ]
+    results = dist_pool(4).run(J.fit_then_validate_job, init_paths[2], layouts)[0]
+    for layout, metrics in zip(layouts, results, strict=True):
+        for key in ("val/loss", "val/ppl"):
+            assert abs(metrics[key] - ref[key]) <= TOL * ref[key], (layout, key, metrics[key], ref[key])
+
+
 def test_validation_with_tensor_parallel(dist_pool: Any, init_paths: dict[int, str]) -> None:
     """PP x TP = 2 x 2: the last stage's vocabulary-sharded logits are broadcast over the stages as local shards
     and rebuilt on every rank's own tensor-parallel mesh, so the vocab-parallel loss runs on every rank."""
