@@ -28,7 +28,37 @@ from torch import Tensor
 from lightning_llmopt.inference.runner import ModelRunner, StepInputs, decode_rows, sampled_rows
 from lightning_llmopt.inference.scheduler import Work
 
-__all__ = ["DecodeGraphs"]
+__all__ = ["DecodeGraphs", "graph_sizes", "step_logits"]
+
+
+def graph_sizes(batch_sizes: tuple[int, ...], max_num_seqs: int, spec_tokens: int = 0) -> tuple[int, ...]:
+    """Row counts to capture: ``batch_sizes`` up to the widest step, ``max_num_seqs * (1 + spec_tokens)`` rows (a
+    speculative verify takes one row per token), doubling past the largest given size when speculating."""
+    rows = max_num_seqs * (1 + spec_tokens)
+    sizes = [s for s in batch_sizes if s <= rows]
+    while spec_tokens and sizes and sizes[-1] < rows:
+        sizes.append(min(2 * sizes[-1], rows))
+    return tuple(sizes)
+
+
+def step_logits(graphs: DecodeGraphs | None, runner: ModelRunner, work: list[Work]) -> tuple[list[Work], Tensor]:
+    """``(work, logits)``: a step's logits, one row per sampled token, in the order of the returned work.
+
+    Without graphs (or when none serves any of the work) the runner runs the step eagerly. With graphs, a step that
+    mixes decodes with prefill chunks (continuous batching admits new requests while others decode) runs its
+    decodes and verifies from a graph and only the prefill chunks eagerly, so the rows of the running batch never
+    pay the eager launch cost; the returned order is then graph work first."""
+    if graphs is not None and graphs.accepts(work):
+        return work, graphs.run(work)
+    fast: list[Work] = []
+    slow: list[Work] = []
+    for w in work:
+        (fast if graphs is not None and graphs.accepts([*fast, w]) else slow).append(w)
+    slow = ModelRunner.order(slow)
+    if not fast:
+        return slow, runner.forward(runner.prepare(slow))
+    assert graphs is not None
+    return [*fast, *slow], torch.cat([graphs.run(fast), runner.forward(runner.prepare(slow))])
 
 
 class DecodeGraphs:

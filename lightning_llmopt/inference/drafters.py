@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_llmopt.inference.block_manager import BlockManager, OutOfBlocks
+from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, step_logits
 from lightning_llmopt.inference.kv_pool import KVPool
 from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.runner import ModelRunner
@@ -139,8 +140,6 @@ class ModelDrafter:
         self.state: dict[int, _DraftSeq] = {}
         self.graphs = None
         if graph_sizes and max_model_len and device.type == "cuda":  # draft steps replayed like the target's
-            from lightning_llmopt.inference.cuda_graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs(self.runner, graph_sizes, self.blocks.blocks_for(max_model_len), max_model_len)
 
     def _sync(self, seq: Seq) -> _DraftSeq:
@@ -169,11 +168,7 @@ class ModelDrafter:
         """One draft forward over every ``(row, seq)``'s uncomputed tokens: ``{row: logits (V,)}``."""
         work = [Work(ds, ds.num_computed, len(ds.tokens) - ds.num_computed) for _, ds in items]  # type: ignore[arg-type]
         by_id = {id(w): r for w, (r, _) in zip(work, items, strict=True)}
-        if self.graphs is not None and self.graphs.accepts(work):
-            ordered, logits = work, self.graphs.run(work)  # one row per work: its last token
-        else:
-            ordered = ModelRunner.order(work)
-            logits = self.runner.forward(self.runner.prepare(ordered))
+        ordered, logits = step_logits(self.graphs, self.runner, work)  # one row per work: its last token
         for w in ordered:
             w.seq.num_computed = w.start + w.num_tokens
         return {by_id[id(w)]: logits[i] for i, w in enumerate(ordered)}

@@ -24,6 +24,7 @@ import torch
 
 from lightning_llmopt.inference.block_manager import BlockManager
 from lightning_llmopt.inference.config import EngineConfig
+from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, graph_sizes, step_logits
 from lightning_llmopt.inference.inputs import Prompt, encode_prompt, prepare_batch, validate_prompt
 from lightning_llmopt.inference.kv_pool import KVPool, KVScales, block_bytes, blocks_from_free_memory
 from lightning_llmopt.inference.prefix_cache import RadixCache
@@ -102,20 +103,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.pool, config.attention_backend, config.fused_kernels)
         self.graphs = None
-        if config.cuda_graphs and self.device.type == "cuda":
-            from lightning_llmopt.inference.cuda_graphs import DecodeGraphs
-
-            rows = config.max_num_seqs  # rows per step: one per token (a verify is 1 + drafts rows)
-            if config.speculative is not None:
-                rows *= 1 + config.speculative.num_tokens
-            sizes = [s for s in config.graph_batch_sizes if s <= rows]
-            while config.speculative is not None and sizes and sizes[-1] < rows:
-                sizes.append(min(2 * sizes[-1], rows))  # speculation: cover the widest verify step too
-            self.graphs = (
-                DecodeGraphs(self.runner, tuple(sizes), self.blocks.blocks_for(self.max_model_len), self.max_model_len)
-                if sizes
-                else None
-            )
+        spec_tokens = config.speculative.num_tokens if config.speculative is not None else 0
+        sizes = graph_sizes(config.graph_batch_sizes, config.max_num_seqs, spec_tokens)
+        if config.cuda_graphs and self.device.type == "cuda" and sizes:
+            width = self.blocks.blocks_for(self.max_model_len)
+            self.graphs = DecodeGraphs(self.runner, sizes, width, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stats = EngineStats()
         self.spec = None
@@ -246,7 +238,7 @@ class LLMEngine:
         decode_only = all(w.samples and w.seq.num_output > 0 and w.start == w.seq.num_computed for w in work)
         decode_only = decode_only and all(w.num_tokens == w.num_logits for w in work)
         t0 = now()
-        work, logits = self._forward(work)
+        work, logits = step_logits(self.graphs, self.runner, work)
         if self.spec is not None:
             events = self._speculative_sample(work, logits, items, sched)
             if decode_only:
@@ -257,33 +249,11 @@ class LLMEngine:
             self.scheduler.complete(sched)
             events = self._sample(work, logits)
         if decode_only:
-            self._record_decode(work, events, now() - start, bool(items))
+            self.stats.record_decode(len(work), events, now() - start, bool(items))
         self.stats.steps += 1
         self.stats.preemptions += len(sched.preempted)
         self.stats.busy_s += now() - start
         return events
-
-    def _forward(self, work: list[Work]) -> tuple[list[Work], torch.Tensor]:
-        """``(work, logits)``: the step's logits, one row per sampled token, in the order of the returned work.
-
-        With CUDA graphs, a step that mixes decodes with prefill chunks (continuous batching admits new requests
-        while others decode) runs its decodes and verifies from a graph and only the prefill chunks eagerly, so the
-        rows of the running batch never pay the eager launch cost; the returned order is then graph work first."""
-        g = self.graphs
-        if g is None:
-            return work, self.runner.forward(self.runner.prepare(work))
-        if g.accepts(work):
-            return work, g.run(work)
-        fast: list[Work] = []
-        slow: list[Work] = []
-        for w in work:
-            (fast if g.accepts([*fast, w]) else slow).append(w)
-        if not fast:
-            return work, self.runner.forward(self.runner.prepare(work))
-        if not slow:
-            return fast, g.run(fast)
-        slow = ModelRunner.order(slow)
-        return [*fast, *slow], torch.cat([g.run(fast), self.runner.forward(self.runner.prepare(slow))])
 
     def _speculative_sample(
         self, work: list[Work], logits: torch.Tensor, items: list[SpecItem], sched: Schedule
@@ -317,18 +287,6 @@ class LLMEngine:
                 self.blocks.truncate(seq, len(seq.tokens))  # blocks that only held rejected drafts
         self.spec.release({s.seq_id for s in self.scheduler.running})
         return events
-
-    def _record_decode(self, work: list[Work], events: list[StreamEvent], seconds: float, spec: bool) -> None:
-        st = self.stats
-        tokens = sum(len(e.token_ids) + (e.finish_reason == "stop") for e in events)
-        st.decode_seq_steps += len(work)
-        st.decode_tokens += tokens
-        if spec:
-            st.spec_decode_s += seconds
-            st.spec_decode_tokens += tokens
-        else:
-            st.plain_decode_s += seconds
-            st.plain_decode_tokens += tokens
 
     def _sample(self, work: list[Work], logits: torch.Tensor) -> list[StreamEvent]:
         rows, seqs = [], []

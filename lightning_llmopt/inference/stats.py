@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from lightning_llmopt.inference.request import RequestMetrics
+from lightning_llmopt.inference.request import RequestMetrics, StreamEvent
 
 __all__ = ["EngineStats"]
 
@@ -39,6 +39,18 @@ class EngineStats:
     spec_decode_tokens: int = 0  # ... and the tokens they emitted
     plain_decode_s: float = 0.0  # time of decode-only steps without speculation ...
     plain_decode_tokens: int = 0  # ... and their tokens
+
+    def record_decode(self, num_seqs: int, events: list[StreamEvent], seconds: float, speculative: bool) -> None:
+        """One decode-only step of ``num_seqs`` sequences that emitted ``events`` in ``seconds``."""
+        tokens = sum(len(e.token_ids) + (e.finish_reason == "stop") for e in events)
+        self.decode_seq_steps += num_seqs
+        self.decode_tokens += tokens
+        if speculative:
+            self.spec_decode_s += seconds
+            self.spec_decode_tokens += tokens
+        else:
+            self.plain_decode_s += seconds
+            self.plain_decode_tokens += tokens
 
     def record(self, metrics: RequestMetrics, generated: int) -> None:
         self.requests += 1
