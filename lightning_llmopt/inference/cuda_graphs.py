@@ -52,8 +52,13 @@ def step_logits(graphs: DecodeGraphs | None, runner: ModelRunner, work: list[Wor
         return work, graphs.run(work)
     fast: list[Work] = []
     slow: list[Work] = []
+    rows = 0
     for w in work:
-        (fast if graphs is not None and graphs.accepts([*fast, w]) else slow).append(w)
+        if graphs is not None and graphs.serves(w) and rows + w.num_tokens <= graphs.max_batch:
+            fast.append(w)
+            rows += w.num_tokens
+        else:
+            slow.append(w)
     slow = ModelRunner.order(slow)
     if not fast:
         return slow, runner.forward(runner.prepare(slow))
@@ -106,14 +111,16 @@ class DecodeGraphs:
     def fits(self, n: int) -> bool:
         return 0 < n <= self.max_batch
 
+    def serves(self, w: Work) -> bool:
+        """Whether one work can take the row layout: a decode, a speculative verify (every token sampled) or a short
+        catch-up."""
+        if w.num_tokens > self.max_tokens_per_work:
+            return False
+        return not (w.num_tokens > 1 and w.samples and w.num_logits not in (1, w.num_tokens))
+
     def accepts(self, work: list[Work]) -> bool:
-        """Whether :meth:`run` serves ``work``: decodes and speculative verifies (every token sampled) or short
-        catch-ups, within the largest captured size."""
-        if not work or any(w.num_tokens > self.max_tokens_per_work for w in work):
-            return False
-        if any(w.num_tokens > 1 and w.samples and w.num_logits not in (1, w.num_tokens) for w in work):
-            return False
-        return self.fits(sum(w.num_tokens for w in work))
+        """Whether :meth:`run` serves ``work``: every work :meth:`serves`, within the largest captured size."""
+        return bool(work) and all(self.serves(w) for w in work) and self.fits(sum(w.num_tokens for w in work))
 
     def _inputs(self, b: int) -> StepInputs:
         return StepInputs(

@@ -371,13 +371,21 @@ def sum_moe_grads(module: nn.Module) -> int:
     for layer in moe_layers(module):
         if layer.tp_group is None:
             continue
+        grads = []
         for p in layer.parameters():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(local_tensor(p.grad), group=layer.tp_group)
-            n += 1
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(local_tensor(p.grad))
+        for dtype in sorted({g.dtype for g in grads}, key=str):  # one collective per layer and dtype
+            group = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in group])
+            dist.all_reduce(flat, group=layer.tp_group)
+            offset = 0
+            for g in group:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        n += len(grads)
     return n
 
 
