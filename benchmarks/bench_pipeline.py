@@ -4,8 +4,10 @@ Launched once per world size with torchrun (one process per GPU); every schedule
 (framework-free :class:`~lightning_llmopt.parallel.pipeline.PipelineRunner`, bf16 autocast, random tokens):
 
 - step time: median over ``--steps`` after ``--warmup`` (``torch.cuda.synchronize`` + barrier around each step);
-- busy time: each rank runs its own stage modules' forward + backward for the ``M`` micro-batches with no pipeline
-  (inputs made locally), median over repeats; measured bubble = ``1 - busy / step`` (mean over ranks);
+- busy time: on GPU, one more step under ``torch.profiler``: the union of the rank's kernel intervals, NCCL kernels
+  excluded (a waiting send/recv is bubble); on CPU (and as ``busy_alone_s_per_rank``), the rank's own stage
+  modules' forward + backward for the ``M`` micro-batches with no pipeline; measured bubble = ``1 - busy / step``
+  (mean over ranks);
 - theory: :func:`~lightning_llmopt.parallel.pipeline_plan.plan` (closed form for GPipe/1F1B/interleaved, the unit-cost
   simulation for zero-bubble schedules).
 
@@ -33,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import launch  # noqa: E402
 import records  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)]
@@ -87,10 +90,12 @@ def run_schedule(args: argparse.Namespace, name: str, v: int, m: int, device: to
             times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     step = statistics.median(times)
-    busy = _busy_time(args, modules, split, cfg, m, device, autocast)
-    busy_all = [torch.zeros(1, device=device) for _ in range(pp)]
-    dist.all_gather(busy_all, torch.tensor([busy], device=device))
-    busies = [float(b) for b in busy_all]
+    alone = _busy_time(args, modules, split, cfg, m, device, autocast)
+    kernels = _kernel_busy_time(runner, batch, loss_fn, model, device, autocast)
+    busy = kernels if kernels is not None else alone
+    busy_all = [torch.zeros(2, device=device) for _ in range(pp)]
+    dist.all_gather(busy_all, torch.tensor([busy, alone], device=device))
+    busies = [float(b[0]) for b in busy_all]
     theory = plan(name, pp, m, v)
     return {
         "variant": f"{name}-m{m}",
@@ -100,12 +105,36 @@ def run_schedule(args: argparse.Namespace, name: str, v: int, m: int, device: to
         "step_s": step,
         "tokens_per_s": rows * args.seq_len / step,
         "busy_s_per_rank": busies,
+        "busy_method": "kernels" if kernels is not None else "alone",
+        "busy_alone_s_per_rank": [float(b[1]) for b in busy_all],
         # mean over ranks of 1 - busy/step (the idle share of the step), and against the busiest rank (stage
         # imbalance excluded: the part of the step that even the critical rank spends waiting)
         "measured_bubble": statistics.fmean(1.0 - b / step for b in busies),
         "measured_bubble_busiest": 1.0 - max(busies) / step,
         "theory_bubble": theory.theory if theory.theory is not None else theory.bubble,
     }
+
+
+def _kernel_busy_time(
+    runner: Any,
+    batch: dict[str, torch.Tensor],
+    loss_fn: Any,
+    model: torch.nn.Module,
+    device: torch.device,
+    autocast: Any,
+) -> float | None:
+    """Seconds this rank's GPU spent computing during one pipeline step: one more step under ``torch.profiler``,
+    the union of its kernel and copy intervals on all streams, NCCL kernels left out (a send/recv kernel spins
+    while it waits for the peer stage: that is bubble, not work). ``None`` on the CPU."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with autocast:
+            runner.train_step(batch, loss_fn)
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    return launch.device_intervals(prof, exclude=("nccl",))[1] / 1e6
 
 
 def _busy_time(
@@ -160,14 +189,16 @@ def pipeline_record(config: dict[str, Any], results: list[dict[str, Any]], **kw:
         if b is None or "step_s" not in r:
             continue
         r["speedup_vs_1f1b"] = b["step_s"] / r["step_s"]
-        r["predicted_speedup_vs_1f1b"] = (1.0 - b["theory_bubble"]) / (1.0 - r["theory_bubble"])
+        # step = busy / (1 - bubble) with the same busy time: speedup = (1 - bubble) / (1 - bubble_1f1b)
+        r["predicted_speedup_vs_1f1b"] = (1.0 - r["theory_bubble"]) / (1.0 - b["theory_bubble"])
         r["bubble_gap_pp"] = 100.0 * (r["measured_bubble"] - r["theory_bubble"])
     name = f"pipeline-{config['preset']}" + (f"-{config['layers']}l" if config.get("layers") else "")
     name += f"-{config['world_size']}gpu"
     notes = [
         "one torchrun launch, every schedule in turn on torch.distributed.pipelining stages; no optimizer step",
-        "measured_bubble = mean over ranks of 1 - busy/step, busy = the rank's own stage forward+backward for the M "
-        "micro-batches run alone; theory assumes equal stages (the last stage also holds the head and the loss)",
+        "measured_bubble = mean over ranks of 1 - busy/step; busy (busy_method 'kernels') = the union of the rank's "
+        "kernel intervals over one profiled step, NCCL kernels excluded; theory assumes equal stages (the last stage "
+        "also holds the head and the loss); predicted_speedup_vs_1f1b = (1 - theory) / (1 - theory of 1F1B)",
         "zero_bubble/zbv use torch's B/W split (stage_backward_input + stage_backward_weight); their step time is "
         "the cost of that split, not the schedule's idle time",
         *kw.pop("notes", []),

@@ -165,7 +165,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[measure],
+        callbacks=[measure] + ([launch.profile_callback(args.warmup_steps, 2, cuda)] if args.profile else []),
     )
     trainer.fit(module, train_dataloaders=loader)
     s = measure.summary
@@ -202,27 +202,31 @@ def run_variant(args: argparse.Namespace, variant: str, nproc: int, log_dir: Pat
     """Launch one variant with torchrun; return its row (or ``{"variant", "error"}``)."""
 
     def worker_args(out: Path) -> list[str]:
-        return [
-            "--worker",
-            "--strategy",
-            variant,
-            "--preset",
-            args.preset,
-            "--seq-len",
-            str(args.seq_len),
-            "--micro-batch",
-            str(args.micro_batch),
-            "--precision",
-            args.precision,
-            "--warmup-steps",
-            str(args.warmup_steps),
-            "--steps",
-            str(args.steps),
-            "--json-out",
-            str(out),
-            "--zero-kwargs",
-            args.zero_kwargs,
-        ] + (["--smoke"] if args.smoke else [])
+        return (
+            [
+                "--worker",
+                "--strategy",
+                variant,
+                "--preset",
+                args.preset,
+                "--seq-len",
+                str(args.seq_len),
+                "--micro-batch",
+                str(args.micro_batch),
+                "--precision",
+                args.precision,
+                "--warmup-steps",
+                str(args.warmup_steps),
+                "--steps",
+                str(args.steps),
+                "--json-out",
+                str(out),
+                "--zero-kwargs",
+                args.zero_kwargs,
+            ]
+            + (["--smoke"] if args.smoke else [])
+            + (["--profile"] if args.profile else [])
+        )
 
     return launch.launch(__file__, worker_args, variant, nproc, log_dir / f"zero-{variant}-{nproc}.log", args.timeout)
 
@@ -364,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results (temp w/ smoke)")
     parser.add_argument("--log-dir", type=Path, default=None, help="per-variant logs (default: a temp folder)")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 ranks, tiny preset: code path only")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print rank 0's top operators and device idle time over 2 steps after warm-up into each launch's log "
+        "(the timed figures then include the profiler's overhead: write them elsewhere with --results-dir)",
+    )
     parser.add_argument(
         "--zero-kwargs",
         default="{}",

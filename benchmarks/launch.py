@@ -103,16 +103,23 @@ def launch(
         )
         reader = threading.Thread(target=_stream, args=(proc, log, f"[{variant}] "), daemon=True)
         reader.start()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+
+        def stop() -> None:
             os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers: the session we started
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop()
+        except BaseException:  # interrupted (a step's time limit): the workers must not outlive us holding GPUs
+            stop()
+            raise
         reader.join(timeout=10)
     if proc.returncode == 0 and out.exists():
         row = json.loads(out.read_text())
@@ -131,6 +138,53 @@ def launch(
         print(f"[{variant}] FAILED: {error}", flush=True)
     row["launch_wall_s"] = round(time.perf_counter() - start, 1)
     return row
+
+
+def device_intervals(
+    prof: Any, exclude: tuple[str, ...] = ()
+) -> tuple[float, float, list[tuple[float, float, str, str]]]:
+    """``(wall, busy, gaps)`` in microseconds over a ``torch.profiler`` run's device kernels and copies (any stream):
+    ``wall`` from the first start to the last end, ``busy`` the union of their intervals, ``gaps`` the idle stretches
+    as ``(length, offset from the first start, kernel before, kernel after)``. Kernels whose name starts with one of
+    ``exclude`` (e.g. ``"nccl"``: a collective kernel spins while it waits for its peer) do not count as busy."""
+    spans = []
+    for evt in prof.events():
+        if str(getattr(evt, "device_type", "")).endswith("CUDA") and evt.time_range.elapsed_us() > 0:
+            if not evt.name.lower().startswith(exclude):
+                spans.append((evt.time_range.start, evt.time_range.end, evt.name))
+    if not spans:
+        return 0.0, 0.0, []
+    spans.sort()
+    busy, cur_s, cur_e, last = 0.0, spans[0][0], spans[0][1], spans[0][2]
+    gaps = []
+    for s, e, name in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((s - cur_e, cur_e - spans[0][0], last, name))
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+        if e >= cur_e:
+            last = name
+    busy += cur_e - cur_s
+    return max(e for _, e, _ in spans) - spans[0][0], busy, gaps
+
+
+def _gpu_idle_summary(prof: Any, steps: int) -> str:
+    """Per step: wall time from the first to the last device kernel of the profiled window, the time some kernel
+    (any stream) was running, the idle remainder (host-bound or waiting), and the longest idle stretches."""
+    wall, busy, gaps = device_intervals(prof)
+    if not wall:
+        return "profile: no device kernels recorded"
+    lines = [
+        f"profile: per step {wall / steps / 1e3:.2f} ms from first to last kernel, {busy / steps / 1e3:.2f} ms "
+        f"with a kernel running, {(wall - busy) / steps / 1e3:.2f} ms idle ({(wall - busy) / wall:.1%})"
+    ]
+    for length, at, before, after in sorted(gaps, reverse=True)[:12]:
+        lines.append(
+            f"  idle {length / 1e3:7.3f} ms at {at / 1e3:8.2f} ms: after {before[:60]!r} before {after[:60]!r}"
+        )
+    return "\n".join(lines)
 
 
 def profile_callback(start_step: int, steps: int, cuda: bool, rows: int = 30) -> Any:
@@ -159,7 +213,23 @@ def profile_callback(start_step: int, steps: int, cuda: bool, rows: int = 30) ->
                 self.prof.__exit__(None, None, None)
                 if not dist.is_initialized() or dist.get_rank() == 0:
                     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-                    print(self.prof.key_averages().table(sort_by=key, row_limit=rows), flush=True)
+                    averages = self.prof.key_averages()
+                    print(averages.table(sort_by=key, row_limit=rows), flush=True)
+                    if cuda:  # where the host, not the GPU, sets the pace (launch-bound phases)
+                        print(averages.table(sort_by="cpu_time_total", row_limit=rows), flush=True)
+                        print(_gpu_idle_summary(self.prof, steps), flush=True)
+                    trace_dir = os.environ.get("LLMOPT_PROFILE_TRACE")
+                    if trace_dir:  # the whole timeline, for chrome://tracing or Perfetto (gzip: a few MB)
+                        import gzip
+                        import shutil
+
+                        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+                        raw = Path(trace_dir) / f"trace-{os.getpid()}.json"
+                        self.prof.export_chrome_trace(str(raw))
+                        with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                            shutil.copyfileobj(src, dst)
+                        raw.unlink()
+                        print(f"profile: trace written to {raw}.gz", flush=True)
                 self.prof = None
 
     return Profile()

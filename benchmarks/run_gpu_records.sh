@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The multi-GPU records still missing (issues 3-6), as named steps so that each device call fits its time limit:
+#   ep          MoE 1b: experts split over all GPUs (ep<N>) beside ZeRO-3 data parallelism alone (issue 6)
+#   nd1b nd8b   TP=N, CP=N (ring, Ulysses) beside Lightning DTensor TP and torch context_parallel, 1b and the
+#               llama3-8b shape with 8 layers (issue 4)
+#   longest     longest trainable row, CP=N against CP=1: the 1b preset without activation checkpointing, one step
+#               per length (issue 4). With full checkpointing the search reaches ~1M tokens on 4 GPUs, where one
+#               step of even a 2-layer model took over 3 minutes (2026-11-22); without it the lengths stay near
+#               50K (CP=1) and 200K (CP=4), a few minutes in all.
+#   pp pp44     every pipeline schedule at M=8 and 16 on all GPUs, 1b and 44 layers (issue 5)
+#   zero        ZeRO stages against ddp and fsdp on all GPUs (issue 3)
+#   zeroprof    fsdp and zero3 on 2 GPUs under torch.profiler (top operators, device idle time, gzipped timelines in
+#               $OUT/traces), record elsewhere
+#
+#   bash benchmarks/run_gpu_records.sh ep nd1b nd8b      # on the GPU machine; records and logs go to $OUT
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p benchmarks/results
+LOGS="$(mktemp -d)"
+LOG="$LOGS/records.log"
+START_MARK="$(mktemp)"
+copy_out() {
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT/results"
+    find benchmarks/results -name '*.json' -newer "$START_MARK" -exec cp {} "$OUT/results/" \; 2>/dev/null || true
+    tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null || true
+    cp "$LOG" "$OUT/records.log" 2>/dev/null || true
+  fi
+}
+trap copy_out EXIT
+source "benchmarks/gpu_step.sh"
+N="$(nvidia-smi -L 2>/dev/null | wc -l)"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
+ND=(python3 benchmarks/bench_nd_parallel.py --nproc "$N" --log-dir "$LOGS")
+MOE='{"moe": {"num_experts": 8, "top_k": 2, "expert_hidden_dim": 1408}}'
+NDV=(dp "tp$N" "lightning-tp$N" "cp$N" "cp$N-ulysses" "torch-cp$N")
+for s in "$@"; do
+  case "$s" in
+    ep) step 200 "${ND[@]}" --preset 1b --variants dp "ep$N" --model-overrides "$MOE" ;;
+    nd1b) step 280 "${ND[@]}" --preset 1b --variants "${NDV[@]}" ;;
+    nd8b) step 300 "${ND[@]}" --preset llama3-8b --layers 8 --variants "${NDV[@]}" ;;
+    longest) step 480 "${ND[@]}" --preset 1b --longest --longest-cp "$N" --activation-checkpointing none \
+      --warmup-steps 0 --steps 1 --longest-start 32768 --bisect 1 --timeout 200 ;;
+    pp) step 240 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
+      --warmup 2 --steps 6 ;;
+    pp44) step 300 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
+      --layers 44 --warmup 2 --steps 4 ;;
+    zero) step 300 python3 benchmarks/bench_zero.py --nproc "$N" --log-dir "$LOGS" ;;
+    zeroprof) LLMOPT_PROFILE_TRACE="${OUT:-$LOGS}/traces" step 150 python3 benchmarks/bench_zero.py --nproc 2 --variants fsdp zero3 --profile --warmup-steps 3 \
+      --steps 4 --results-dir "$LOGS/prof" --log-dir "$LOGS" ;;
+    *) echo "unknown step $s" | tee -a "$LOG"; status=1 ;;
+  esac
+done
+python3 benchmarks/render_results.py 2>&1 | tail -1 | tee -a "$LOG" || status=1
+exit "$status"
