@@ -24,7 +24,9 @@ backwards; Huang et al., arXiv 1811.06965), ``1f1b`` (PipeDream-flush: after ``P
 ``s`` alternates one forward and one backward; Narayanan et al., arXiv 2104.04473), ``interleaved_1f1b`` (``V``
 stages per rank in a loop), ``zero_bubble`` (interleaved, backward split into input-gradient B and weight-gradient
 W passes that fill the bubble; Qi et al., arXiv 2401.10241), ``zbv`` and ``dualpipev`` (two stages per rank in a V
-shape; DeepSeek-V3, arXiv 2412.19437; DualPipeV needs a torch that ships ``ScheduleDualPipeV``).
+shape; DeepSeek-V3, arXiv 2412.19437; DualPipeV needs a torch that ships ``ScheduleDualPipeV``). For the last three
+the B/W split is ours by default (:mod:`~lightning_llmopt.parallel.pipeline_wgrad`: B runs the full backward with the
+linear layers' weight gradients queued, W computes them; no recomputation); ``split_backward="torch"`` uses torch's.
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ class PipelineConfig:
             dualpipev; 1 for gpipe and 1f1b).
         split: ``"layers"`` or ``"cost"`` (see :mod:`~lightning_llmopt.parallel.pipeline_split`).
         balance_ends: Llama-3 balancing: the embedding and the head count toward the first and last stages.
+        split_backward: B/W split of the zero-bubble schedules (zero_bubble, zbv, dualpipev): ``"deferred"``
+            (deferred linear weight gradients, :mod:`~lightning_llmopt.parallel.pipeline_wgrad`) or ``"torch"``
+            (``stage_backward_input`` + ``stage_backward_weight``, which walk the autograd graph again); other
+            schedules ignore it.
     """
 
     pp: int = 1
@@ -97,10 +103,13 @@ class PipelineConfig:
     virtual_stages: int | None = None
     split: str = "layers"
     balance_ends: bool = False
+    split_backward: str = "deferred"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule ({self.schedule!r}) must be one of {sorted(SCHEDULES)}")
+        if self.split_backward not in ("deferred", "torch"):
+            raise ValueError(f"split_backward ({self.split_backward!r}) must be 'deferred' or 'torch'")
         if self.split not in ("layers", "cost"):
             raise ValueError(f"pipeline split ({self.split!r}) must be 'layers' or 'cost'")
         _, multi, style, default_v = SCHEDULES[self.schedule]
@@ -242,9 +251,7 @@ def pipeline_grad_norm(params: list[nn.Parameter], pp: int) -> Tensor:
         sharded = 1
         if isinstance(g, DTensor):
             sharded = int(
-                torch.tensor(
-                    [g.device_mesh.size(i) for i, pl in enumerate(g.placements) if is_shard(pl)] or [1]
-                ).prod()
+                torch.tensor([g.device_mesh.size(i) for i, pl in enumerate(g.placements) if is_shard(pl)] or [1]).prod()
             )
             g = g.to_local()
         total = total + g.float().pow(2).sum() / max(world // (pp * sharded), 1)
@@ -285,6 +292,7 @@ class PipelineRunner:
             boundary.install(modules, split)
         self.pp_rank = dist.get_rank(group)
         self._schedules: dict[tuple[Any, ...], Any] = {}
+        self._stages: list[Any] = []
         self._loss_fn: LossFn | None = None
         self._real_loss = False  # inside the schedule's own loss call (not its metadata inference)
 
@@ -330,12 +338,12 @@ class PipelineRunner:
     def _schedule(self, key: tuple[Any, ...]) -> Any:
         """A schedule for batches of shape ``key`` (stages infer their buffers on the first step)."""
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage
+            from lightning_llmopt.parallel.pipeline_wgrad import build_stages
 
-            stages = [
-                PipelineStage(mod, s, self.split.num_stages, self.device, group=self.group)
-                for s, mod in sorted(self.modules.items())
-            ]
+            cfg = self.config
+            stages = build_stages(
+                self.modules, self.split.num_stages, self.device, self.group, cfg.schedule, cfg.split_backward
+            )
             cls = schedule_class(self.config.schedule)
             multi = SCHEDULES[self.config.schedule][1]
             schedule = cls(
@@ -345,7 +353,7 @@ class PipelineRunner:
                 scale_grads=False,
             )
             self._mark_real_losses(schedule)
-            self._schedules = {key: schedule}
+            self._schedules, self._stages = {key: schedule}, stages
         return self._schedules[key]
 
     def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn) -> Tensor:
@@ -359,6 +367,8 @@ class PipelineRunner:
 
         Returns the mean of the micro-batch losses, fp32 scalar, on every pipeline rank.
         """
+        from lightning_llmopt.parallel.pipeline_wgrad import settle_deferred
+
         tokens = batch["input_ids"]
         validate_microbatches(tokens.shape[0], self.config)
         kwargs = {k: batch[k] for k in ("positions", "doc_ids") if isinstance(batch.get(k), Tensor)}
@@ -366,10 +376,13 @@ class PipelineRunner:
         self._loss_fn = loss_fn
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         losses: list[Tensor] = []
+        done = False
         try:
             schedule.step(*((tokens,) if self.has_first else ()), target=rows, losses=losses, **kwargs)
+            done = True
         finally:
             self._loss_fn = None
+            settle_deferred(self._stages, run=done)  # weight gradients no W action ran (none in torch's schedules)
         if self.has_last:  # each micro-batch loss was divided by M
             mean = torch.stack([loss.detach().float() for loss in losses]).sum()
         else:
