@@ -7,6 +7,7 @@
 #               per length (issue 4). With full checkpointing the search reaches ~1M tokens on 4 GPUs, where one
 #               step of even a 2-layer model took over 3 minutes (2026-11-22); without it the lengths stay near
 #               50K (CP=1) and 200K (CP=4), a few minutes in all.
+#   pptest      the pipeline tests (CPU, gloo) on this machine's torch, before the timings
 #   pp pp44     every pipeline schedule at M=8 and 16 on all GPUs, 1b and 44 layers (issue 5)
 #   zero        ZeRO stages against ddp and fsdp on all GPUs (issue 3)
 #   zeroprof    fsdp and zero3 on 2 GPUs under torch.profiler (top operators, device idle time, gzipped timelines in
@@ -45,6 +46,8 @@ for s in "$@"; do
     nd8b) step 300 "${ND[@]}" --preset llama3-8b --layers 8 --variants "${NDV[@]}" ;;
     longest) step 480 "${ND[@]}" --preset 1b --longest --longest-cp "$N" --activation-checkpointing none \
       --warmup-steps 0 --steps 1 --longest-start 32768 --bisect 1 --timeout 200 ;;
+    pptest) step 180 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_pipeline_wgrad.py \
+      tests/parallel/test_pipeline.py ;;  # the deferred B/W split on this machine's torch (2.11) before timing it
     pp) step 240 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
       --warmup 2 --steps 6 ;;
     pp44) step 300 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
