@@ -69,6 +69,7 @@ class CausalLMModule(L.LightningModule):
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
         self.tokens_seen = 0
+        self._tokens_seen_counter: Tensor | None = None  # tokens_seen on the device, for logging without a sync
         self.moe_stats: dict[str, Tensor] = {}  # last MoE load statistics (on_before_zero_grad)
 
     # ------------------------------------------------------------------ construction
@@ -134,8 +135,18 @@ class CausalLMModule(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Here rather than in training_step: every rank runs this hook once per batch, pipeline stages included
         # (under pipeline parallelism training_step runs per micro-batch on the last stage only).
-        self.tokens_seen += batch["input_ids"].numel() * data_parallel_position(self.trainer)[0]
-        self.log("train/tokens_seen", float(self.tokens_seen))
+        n = batch["input_ids"].numel() * data_parallel_position(self.trainer)[0]
+        self.tokens_seen += n
+        # Logged from a counter that lives on the device: logging a Python number copies it from pageable host
+        # memory, which synchronises the stream every step (the GPU drains and waits for the host).
+        counter = self._tokens_seen_counter
+        if counter is None or counter.device != self.device:
+            dtype = torch.float32 if self.device.type == "mps" else torch.float64  # exact past 2**24 tokens
+            counter = torch.tensor(float(self.tokens_seen), dtype=dtype, device=self.device)
+        else:
+            counter.add_(n)
+        self._tokens_seen_counter = counter
+        self.log("train/tokens_seen", counter)
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -201,6 +212,7 @@ class CausalLMModule(L.LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        self._tokens_seen_counter = None
 
     @override
     def on_fit_start(self) -> None:
