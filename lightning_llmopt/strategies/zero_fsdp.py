@@ -79,7 +79,8 @@ def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = Fal
     with its neighbours' compute: the head's gradients are reduced while the blocks run backward, and the first
     forward gather is the embedding alone rather than embedding plus head. The last block and the head group keep
     their gathered parameters from forward into backward (``reshard_after_forward=False``), since backward needs
-    them first. Forward and backward prefetch run along the whole chain.
+    them first. A plain ``nn.Embedding`` unit is not gathered again for backward, which reads only the token ids.
+    Forward and backward prefetch run along the whole chain.
 
     Raises ``ValueError`` (before any collective) if parameters sit directly on ``module``: they belong to no root
     whose forward FSDP2 can hook.
@@ -109,13 +110,24 @@ def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = Fal
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
     for root in roots:
         fully_shard(root, reshard_after_forward=reshard_after_forward, **kwargs)
+    skip_backward = embedding is not None and _gather_free_backward(embedding)
+    if skip_backward:  # its backward reads only the token ids: no gather (FSDP1's root likewise keeps it gathered)
+        embedding.set_unshard_in_backward(False)  # type: ignore[union-attr, operator]
     if prefetch and len(chain) > 1:
         for i, unit in enumerate(chain):
             if i + 1 < len(chain):
                 unit.set_modules_to_forward_prefetch([chain[i + 1]])  # type: ignore[operator]
-            if i > 0:
+            if i > 1 or (i == 1 and not skip_backward):
                 unit.set_modules_to_backward_prefetch([chain[i - 1]])  # type: ignore[operator]
     return [*chain, *roots]
+
+
+def _gather_free_backward(module: nn.Module) -> bool:
+    """Whether ``module``'s backward needs none of its parameters' values: a plain ``nn.Embedding`` (its weight
+    gradient is a scatter of the output gradient by token id). ``max_norm`` renormalises the weight in place and
+    sparse gradients take another path, so those keep the gather; so does a torch without FSDP2's switch."""
+    plain = isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward  # FSDP subclasses it
+    return plain and module.max_norm is None and not module.sparse and hasattr(module, "set_unshard_in_backward")
 
 
 @torch.no_grad()

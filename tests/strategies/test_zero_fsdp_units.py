@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_llmopt.models import Llama, LlamaConfig
@@ -86,11 +87,83 @@ def test_stage3_validation_metrics_are_sane(tmp_path: object) -> None:
     L.seed_everything(0, verbose=False)
     data = torch.utils.data.DataLoader(RandomTokens(320, 32, 8, seed=0), batch_size=4)
     module = CausalLMModule("tiny", warmup_steps=1, max_steps=2)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=3), max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ZeroStrategy(stage=3),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(module, train_dataloaders=data, val_dataloaders=data)
     val = float(trainer.callback_metrics["val/loss"])
     ppl = float(trainer.callback_metrics["val/ppl"])
     assert 0 < val < 2 * math.log(320)  # near ln(vocab) for a barely trained model, never uninitialised memory
     assert math.isclose(ppl, math.exp(val), rel_tol=1e-3)
+
+
+def test_embedding_unit_is_not_gathered_for_backward(tmp_path: object) -> None:
+    """Stage 3 tells FSDP2 the embedding unit's backward needs no gather (it scatters the output gradient by token
+    id) and leaves it out of the backward prefetch chain; its gradient still equals the unsharded model's."""
+    import lightning as L
+    import torch
+
+    from lightning_llmopt import CausalLMModule
+    from lightning_llmopt.strategies import ZeroStrategy
+    from lightning_llmopt.testing.data import RandomTokens
+
+    L.seed_everything(0, verbose=False)
+    reference = Llama(LlamaConfig.from_preset("tiny"))
+    tokens = RandomTokens(320, 32, 4, seed=0)
+    batch = torch.utils.data.default_collate([tokens[i] for i in range(4)])
+    loss = _reference_loss(reference, batch)
+    loss.backward()
+
+    class Check(L.Callback):
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: object) -> None:
+            emb = pl_module.model.tok_embeddings
+            groups = emb._get_fsdp_state()._fsdp_param_groups
+            assert groups and all(g.unshard_in_backward is False for g in groups)
+            block0 = next(iter(pl_module.model.layers.values()))
+            assert emb not in (getattr(block0._get_fsdp_state(), "_states_to_backward_prefetch", None) or [])
+            grad = emb.weight.grad.full_tensor()
+            torch.testing.assert_close(grad, reference.tok_embeddings.weight.grad, rtol=1e-5, atol=1e-6)
+            self.checked = True
+
+    module = CausalLMModule("tiny", warmup_steps=1, max_steps=1)
+    check = Check()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ZeroStrategy(stage=3),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[check],
+    )
+
+    def load_reference(pl_module: L.LightningModule) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        for name, p in pl_module.model.named_parameters():
+            full = dict(reference.named_parameters())[name].detach()
+            with torch.no_grad():
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements))
+
+    original = module.on_fit_start
+    module.on_fit_start = lambda: (load_reference(module), original())[1]  # type: ignore[method-assign]
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
+    assert check.checked
+
+
+def _reference_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
