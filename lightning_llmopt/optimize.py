@@ -280,7 +280,8 @@ def _hf_causal_lm_forward(
         backend=opts["backend"],
     )
     if num_items is not None:
-        loss = loss / torch.as_tensor(num_items, device=loss.device)
+        # a Python count divides as a scalar: a tensor made from it would be copied from host memory every step
+        loss = loss / (num_items.to(loss.device) if isinstance(num_items, torch.Tensor) else float(num_items))
     return CausalLMOutputWithPast(
         loss=loss,
         logits=None,

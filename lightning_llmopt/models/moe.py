@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_llmopt.kernels.grouped_gemm import grouped_mm
 from lightning_llmopt.models.moe_config import MoEConfig
-from lightning_llmopt.models.moe_routing import Routing, aux_balance_loss, load_stats, route, z_loss
+from lightning_llmopt.models.moe_routing import Routing, aux_balance_loss, kept_assignments, load_stats, route, z_loss
 
 __all__ = [
     "LocalDispatcher",
@@ -62,7 +62,7 @@ class LocalDispatcher:
         experts = routing.experts.reshape(n * k)
         keep = routing.keep.reshape(n * k)
         tokens = torch.arange(n, device=x.device).repeat_interleave(k)
-        idx = torch.nonzero(keep).squeeze(1)
+        idx = kept_assignments(keep, routing.dropless)
         order = idx[torch.argsort(experts[idx], stable=True)]
         counts = torch.bincount(experts[order], minlength=layer.num_experts)
         y = layer.experts(x[tokens[order]], counts)
@@ -229,6 +229,7 @@ def _flatten(routing: Routing) -> Routing:
         keep=routing.keep.reshape(b * t, k),
         probs=routing.probs.reshape(b * t, -1),
         logits=routing.logits.reshape(b * t, -1),
+        dropless=routing.dropless,
     )
 
 

@@ -20,7 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Routing", "aux_balance_loss", "capacity", "capacity_keep", "load_stats", "route", "z_loss"]
+__all__ = [
+    "Routing",
+    "aux_balance_loss",
+    "capacity",
+    "capacity_keep",
+    "kept_assignments",
+    "load_stats",
+    "route",
+    "z_loss",
+]
 
 
 @dataclass
@@ -33,6 +42,8 @@ class Routing:
         keep: ``(B, T, k)`` bool, False where capacity dropped the assignment.
         probs: ``(B, T, E)`` fp32 router softmax (before any balancing bias).
         logits: ``(B, T, E)`` fp32 router logits.
+        dropless: every assignment is kept (no capacity): dispatchers then skip selecting the kept ones, a
+            data-dependent ``nonzero`` that waits for the device.
     """
 
     experts: Tensor
@@ -40,6 +51,7 @@ class Routing:
     keep: Tensor
     probs: Tensor
     logits: Tensor
+    dropless: bool = False
 
 
 def capacity(tokens_per_group: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -101,7 +113,17 @@ def route(
         cap = capacity(logits.shape[1], top_k, logits.shape[-1], capacity_factor)
         keep = capacity_keep(experts, weights.detach(), logits.shape[-1], cap)
         weights = weights * keep
-    return Routing(experts=experts, weights=weights, keep=keep, probs=probs, logits=logits)
+    return Routing(
+        experts=experts, weights=weights, keep=keep, probs=probs, logits=logits, dropless=capacity_factor is None
+    )
+
+
+def kept_assignments(keep: Tensor, dropless: bool) -> Tensor:
+    """Indices of the kept assignments of the flattened ``keep`` ``(N,)`` bool: all of them when ``dropless``
+    (no host synchronisation), else ``nonzero`` (whose size the host must read)."""
+    if dropless:
+        return torch.arange(keep.numel(), device=keep.device)
+    return torch.nonzero(keep).squeeze(1)
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -130,14 +152,15 @@ def z_loss(routing: Routing, seq_sum: Callable[[Tensor], Tensor] = _identity) ->
     """Router z-loss (ST-MoE): mean over tokens of ``logsumexp(logits)**2`` (``seq_sum`` as in
     :func:`aux_balance_loss`)."""
     z = torch.logsumexp(routing.logits, dim=-1).square()
-    total = seq_sum(torch.stack([z.sum(), z.new_tensor(float(z.numel()))]))
+    total = seq_sum(torch.stack([z.sum(), z.new_full((), float(z.numel()))]))  # new_full: no host copy
     return total[0] / total[1]
 
 
 def load_stats(routing: Routing) -> tuple[Tensor, Tensor]:
     """``(counts, dropped)``: kept assignments per expert ``(E,)`` int64 and dropped assignments (scalar int64)."""
     num_experts = routing.probs.shape[-1]
-    kept = routing.experts[routing.keep]
-    counts = torch.bincount(kept.reshape(-1), minlength=num_experts)
-    dropped = (~routing.keep).sum()
+    experts, keep = routing.experts.reshape(-1), routing.keep.reshape(-1)
+    # scatter-add rather than experts[keep]: a boolean-mask index has a data-dependent size the host must read
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device).scatter_add_(0, experts, keep.long())
+    dropped = (~keep).sum()
     return counts, dropped

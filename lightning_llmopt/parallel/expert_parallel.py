@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_llmopt.models.moe import MoEFeedForward, moe_layers
-from lightning_llmopt.models.moe_routing import Routing
+from lightning_llmopt.models.moe_routing import Routing, kept_assignments
 
 __all__ = [
     "AllToAllDispatcher",
@@ -72,14 +72,13 @@ class AllToAllDispatcher:
         local = num_experts // ep
         experts = routing.experts.reshape(n * k)
         tokens = torch.arange(n, device=x.device).repeat_interleave(k)
-        idx = torch.nonzero(routing.keep.reshape(n * k)).squeeze(1)
+        idx = kept_assignments(routing.keep.reshape(n * k), routing.dropless)
         order = idx[torch.argsort(experts[idx], stable=True)]  # by global expert = by destination rank
         counts = torch.bincount(experts[order], minlength=num_experts)  # (E,)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)  # (ep * local,): [source][local expert]
-        send = counts.view(ep, local).sum(1).tolist()
         recv_by_src = recv_counts.view(ep, local)
-        recv = recv_by_src.sum(1).tolist()
+        send, recv = torch.stack((counts.view(ep, local).sum(1), recv_by_src.sum(1))).tolist()  # one host read
         rows = _AllToAll.apply(x[tokens[order]], recv, send, self.group)  # (R, D) ordered by (source, expert)
         local_ids = torch.arange(local, device=x.device).repeat(ep)
         row_expert = torch.repeat_interleave(local_ids, recv_by_src.reshape(-1))

@@ -183,3 +183,20 @@ def test_llama_with_moe_trains_and_logs(tmp_path: Any) -> None:
     assert sum(metrics[f"moe/expert_tokens/0/{e}"] for e in range(4)) > 0
     assert layer.balance_bias.abs().sum() > 0  # the aux-free bias moved
     assert "train/moe_aux_loss" in trainer.callback_metrics
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_load_stats_and_kept_assignments_match_masks(capacity_factor: float | None) -> None:
+    """The synchronisation-free statistics and kept indices equal the boolean-mask forms they replace."""
+    from lightning_llmopt.models.moe_routing import kept_assignments, load_stats, route
+
+    torch.manual_seed(0)
+    routing = route(torch.randn(3, 17, 6), top_k=2, capacity_factor=capacity_factor)
+    assert routing.dropless == (capacity_factor is None)
+    counts, dropped = load_stats(routing)
+    expected = torch.bincount(routing.experts[routing.keep].reshape(-1), minlength=6)
+    assert torch.equal(counts, expected) and int(dropped) == int((~routing.keep).sum())
+    keep = routing.keep.reshape(-1)
+    assert torch.equal(kept_assignments(keep, routing.dropless), torch.nonzero(keep).squeeze(1))
+    if capacity_factor is not None:
+        assert int(dropped) > 0  # the capacity case really drops assignments
