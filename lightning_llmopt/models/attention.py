@@ -79,7 +79,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) ->
     # but return zeros instead.
     empty = ~dense.any(dim=-1, keepdim=True)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense | empty, scale=scale, enable_gqa=gqa)
-    return out.masked_fill(empty, 0.0) if bool(empty.any()) else out
+    return out.masked_fill(empty, 0.0)  # unconditionally: testing empty.any() would wait for the device per layer
 
 
 def _eager(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scale: float) -> Tensor:
