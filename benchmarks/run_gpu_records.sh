@@ -9,9 +9,12 @@
 #               50K (CP=1) and 200K (CP=4), a few minutes in all.
 #   pptest      the pipeline tests (CPU, gloo) on this machine's torch, before the timings
 #   pp pp44     every pipeline schedule at M=8 and 16 on all GPUs, 1b and 44 layers (issue 5)
-#   zero        ZeRO stages against ddp and fsdp on all GPUs (issue 3)
-#   zeroprof    fsdp and zero3 on 2 GPUs under torch.profiler (top operators, device idle time, gzipped timelines in
+#   zero        ZeRO stages against ddp and fsdp on all GPUs (issue 3); zero3: only fsdp and zero3, merged into the
+#               record
+#   zeroprof    fsdp and zero3 under torch.profiler (top operators, device idle time, gzipped timelines in
 #               $OUT/traces), record elsewhere
+#
+# NAME@K runs a step on the first K GPUs (e.g. pp@2 zero3@2 zeroprof@2 on a 4-GPU machine).
 #
 #   bash benchmarks/run_gpu_records.sh ep nd1b nd8b      # on the GPU machine; records and logs go to $OUT
 set -uo pipefail
@@ -34,13 +37,18 @@ copy_out() {
 }
 trap copy_out EXIT
 source "benchmarks/gpu_step.sh"
-N="$(nvidia-smi -L 2>/dev/null | wc -l)"
+ALL="$(nvidia-smi -L 2>/dev/null | wc -l)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
-ND=(python3 benchmarks/bench_nd_parallel.py --nproc "$N" --log-dir "$LOGS")
 MOE='{"moe": {"num_experts": 8, "top_k": 2, "expert_hidden_dim": 1408}}'
-NDV=(dp "tp$N" "lightning-tp$N" "cp$N" "cp$N-ulysses" "torch-cp$N")
 for s in "$@"; do
-  case "$s" in
+  # NAME@K runs step NAME on the first K GPUs only (2-GPU records from a 4-GPU machine)
+  name="${s%@*}"
+  N="$ALL"
+  if [ "$name" != "$s" ]; then N="${s#*@}"; fi
+  export CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((N - 1)))"
+  ND=(python3 benchmarks/bench_nd_parallel.py --nproc "$N" --log-dir "$LOGS")
+  NDV=(dp "tp$N" "lightning-tp$N" "cp$N" "cp$N-ulysses" "torch-cp$N")
+  case "$name" in
     ep) step 200 "${ND[@]}" --preset 1b --variants dp "ep$N" --model-overrides "$MOE" ;;
     nd1b) step 280 "${ND[@]}" --preset 1b --variants "${NDV[@]}" ;;
     nd8b) step 300 "${ND[@]}" --preset llama3-8b --layers 8 --variants "${NDV[@]}" ;;
@@ -53,10 +61,12 @@ for s in "$@"; do
     pp44) step 300 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
       --layers 44 --warmup 2 --steps 4 ;;
     zero) step 300 python3 benchmarks/bench_zero.py --nproc "$N" --log-dir "$LOGS" ;;
-    zeroprof) LLMOPT_PROFILE_TRACE="${OUT:-$LOGS}/traces" step 150 python3 benchmarks/bench_zero.py --nproc 2 --variants fsdp zero3 --profile --warmup-steps 3 \
-      --steps 4 --results-dir "$LOGS/prof" --log-dir "$LOGS" ;;
+    zero3) step 120 python3 benchmarks/bench_zero.py --nproc "$N" --variants fsdp zero3 --merge --log-dir "$LOGS" ;;
+    zeroprof) LLMOPT_PROFILE_TRACE="${OUT:-$LOGS}/traces" step 150 python3 benchmarks/bench_zero.py --nproc "$N" \
+      --variants fsdp zero3 --profile --warmup-steps 3 --steps 4 --results-dir "$LOGS/prof" --log-dir "$LOGS" ;;
     *) echo "unknown step $s" | tee -a "$LOG"; status=1 ;;
   esac
 done
+unset CUDA_VISIBLE_DEVICES
 python3 benchmarks/render_results.py 2>&1 | tail -1 | tee -a "$LOG" || status=1
 exit "$status"
