@@ -13,6 +13,9 @@ model's family (:mod:`~lightning_llmopt.parallel.tp_plans`):
   :func:`~lightning_llmopt.parallel.vocab_parallel.vocab_parallel_cross_entropy`;
 - norms: with ``sequence_parallel``, ``SequenceParallel`` (sequence-sharded activations, replicated weights; the
   attention and MLP inputs are all-gathered, their outputs reduce-scattered); otherwise replicated DTensor weights;
+- the attention and MLP inputs become one replicated DTensor each, so q/k/v (gate/up) share one all-gather and one
+  reduction of their input gradient; under ``torch.autocast`` they are cast to the autocast dtype first
+  (``_cast_input_for_autocast``), so activations and their gradients cross ranks in bf16;
 - GQA with ``n_kv_heads < tp`` (and ``tp % n_kv_heads == 0``): the k/v projections stay replicated and each rank
   computes only the kv head its query heads read (``rank * n_kv_heads // tp``); the gradients of the projection and
   of its input are all-reduced over the tensor-parallel group in backward.
@@ -114,17 +117,20 @@ class ReplicatedKVProjection(nn.Linear):
 
     The weight is a replicated DTensor; rank ``t`` computes only rows ``kv_rows`` (kv head ``t * n_kv // tp``).
     Each rank's gradient covers its own query heads only, so the weight's and the input's gradients are summed over
-    the tensor-parallel group.
+    the tensor-parallel group: the weight's here, the input's (a replicated DTensor from the attention's input
+    plan) as a ``Partial`` gradient that joins the query projection's and is reduced with it, once.
     """
 
     tp_group: Any
     kv_rows: tuple[int, int]
 
     def forward(self, x: Tensor) -> Tensor:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Partial
 
         if isinstance(x, DTensor):
-            x = x.to_local()
+            x = x.to_local(grad_placements=[Partial()])
+        else:
+            x = _AllReduceGrad.apply(x, self.tp_group)
         lo, hi = self.kv_rows
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         weight = _AllReduceGrad.apply(weight, self.tp_group)[lo:hi]
@@ -132,7 +138,7 @@ class ReplicatedKVProjection(nn.Linear):
         if self.bias is not None:
             b = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
             bias = _AllReduceGrad.apply(b, self.tp_group)[lo:hi]
-        return F.linear(_AllReduceGrad.apply(x, self.tp_group), weight, bias)
+        return F.linear(x, weight, bias)
 
 
 def _replicate_kv(linear: nn.Module, mesh: Any, shape: ModelShape) -> None:
@@ -144,6 +150,32 @@ def _replicate_kv(linear: nn.Module, mesh: Any, shape: ModelShape) -> None:
     linear.__class__ = ReplicatedKVProjection  # same parameters and names, so checkpoints keep their keys
     linear.tp_group = mesh.get_group()  # type: ignore[assignment]
     linear.kv_rows = (kv * shape.head_dim, (kv + 1) * shape.head_dim)  # type: ignore[assignment]
+
+
+def _to_autocast_dtype(x: Any) -> Any:
+    if isinstance(x, Tensor) and x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
+def _cast_input_for_autocast(module: nn.Module, kwarg: str | None = None) -> None:
+    """Under ``torch.autocast``, cast ``module``'s hidden-states input (the first positional argument, or the
+    keyword ``kwarg``) from fp32 to the autocast dtype before the tensor-parallel input plan gathers (sequence
+    parallelism) or wraps it.
+
+    Every consumer of that input is a linear projection that autocast would cast anyway (once per projection), so the
+    forward is unchanged; the all-gather and the reduction of its gradient in backward move half the bytes, and one
+    cast of the local shard replaces one per projection. Outside autocast (fp32 training) nothing changes.
+    """
+
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if kwarg is not None and kwarg in kwargs:
+            return args, {**kwargs, kwarg: _to_autocast_dtype(kwargs[kwarg])}
+        if args:
+            return (_to_autocast_dtype(args[0]), *args[1:]), kwargs
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)  # before the plan's own input hook
 
 
 # --------------------------------------------------------------------------- plans
@@ -159,16 +191,16 @@ def _block_plan(f: ModelFamily, sp: bool, replicate_kv: bool, moe: bool = False)
         SequenceParallel,
     )
 
-    out = Shard(1) if sp else Replicate()
+    act = Shard(1) if sp else Replicate()  # activations between the sub-blocks: sequence-sharded under SP
     att = f.attention
     plan: dict[str, Any] = {
         f"{att}.{f.q}": ColwiseParallel(),
-        f"{att}.{f.o}": RowwiseParallel(output_layouts=out),
+        f"{att}.{f.o}": RowwiseParallel(output_layouts=act),
     }
     if not moe:
         plan[f"{f.mlp}.{f.gate}"] = ColwiseParallel()
         plan[f"{f.mlp}.{f.up}"] = ColwiseParallel()
-        plan[f"{f.mlp}.{f.down}"] = RowwiseParallel(output_layouts=out)
+        plan[f"{f.mlp}.{f.down}"] = RowwiseParallel(output_layouts=act)
     elif not sp:  # the MoE layer routes this rank's slice of the sequence: slice in, gather out
         plan[f.mlp] = PrepareModuleInputOutput(
             input_layouts=(Replicate(),),
@@ -181,25 +213,29 @@ def _block_plan(f: ModelFamily, sp: bool, replicate_kv: bool, moe: bool = False)
     if not replicate_kv:
         plan[f"{att}.{f.k}"] = ColwiseParallel()
         plan[f"{att}.{f.v}"] = ColwiseParallel()
+    # The attention and dense MLP inputs enter as ONE replicated DTensor (use_local_output=False) shared by q/k/v
+    # (gate/up): their Partial input gradients add up locally and are reduced once per sub-block (reduce-scatter
+    # under SP, else all-reduce). A plain tensor there is wrapped by each projection, which then all-reduces its own
+    # input gradient: 3 + 2 full-size all-reduces per block.
+    n = f.attention_args
+    if f.attention_kwarg is not None:
+        layouts: dict[str, Any] = {
+            "input_kwarg_layouts": {f.attention_kwarg: act},
+            "desired_input_kwarg_layouts": {f.attention_kwarg: Replicate()},
+        }
+    else:
+        layouts = {
+            "input_layouts": (act, *[None] * (n - 1)),
+            "desired_input_layouts": (Replicate(), *[None] * (n - 1)),
+        }
+    plan[att] = PrepareModuleInput(**layouts, use_local_output=False)
+    if not moe or sp:  # dense: gather (SP) or wrap the input; MoE under SP: route the local slice of the sequence
+        plan[f.mlp] = PrepareModuleInput(
+            input_layouts=(act,), desired_input_layouts=(Shard(1) if moe else Replicate(),), use_local_output=moe
+        )
     if sp:
         plan[f.attention_norm] = SequenceParallel()
         plan[f.mlp_norm] = SequenceParallel()
-        if f.attention_kwarg is not None:
-            plan[att] = PrepareModuleInput(
-                input_kwarg_layouts={f.attention_kwarg: Shard(1)},
-                desired_input_kwarg_layouts={f.attention_kwarg: Replicate()},
-                use_local_output=True,
-            )
-        else:
-            n = f.attention_args
-            plan[att] = PrepareModuleInput(
-                input_layouts=(Shard(1), *[None] * (n - 1)),
-                desired_input_layouts=(Replicate(), *[None] * (n - 1)),
-                use_local_output=True,
-            )
-        plan[f.mlp] = PrepareModuleInput(  # dense: gather the sequence; MoE: route the local slice
-            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1) if moe else Replicate(),), use_local_output=True
-        )
     return plan
 
 
@@ -331,6 +367,9 @@ def apply_tp(
         if moe is not None:
             _shard_moe(moe, tp_mesh)
         attention = _get(block, family.attention)
+        _cast_input_for_autocast(attention, family.attention_kwarg)
+        if moe is None:
+            _cast_input_for_autocast(_get(block, family.mlp))
         if not sp:
             replicate_module(_get(block, family.attention_norm), tp_mesh)
             replicate_module(_get(block, family.mlp_norm), tp_mesh)
@@ -351,6 +390,8 @@ def apply_tp(
     # a pipeline stage holds the embedding, the final norm and the head only where it is the first or last stage
     root_plan = {path: style for path, style in root_plan.items() if _present(model, path)}
     parallelize_module(model, tp_mesh, root_plan)
+    if family.head in root_plan:
+        _cast_input_for_autocast(_get(model, family.head))
     if not sp and _present(model, family.final_norm):
         replicate_module(_get(model, family.final_norm), tp_mesh)
     if shape.tie_embeddings:  # both are Shard(0) over the vocabulary: tie the DTensor parameters again
@@ -392,13 +433,32 @@ def sum_moe_grads(module: nn.Module) -> int:
 @torch.no_grad()
 def reduce_partial_grads(module: nn.Module) -> int:
     """All-reduce DTensor gradients left ``Partial`` (replicated weights applied to sharded activations, e.g. norms
-    under sequence parallelism) into the parameter's placements; returns how many were reduced."""
-    from torch.distributed.tensor import DTensor
+    under sequence parallelism) into the parameter's placements; returns how many were reduced.
 
+    The common case, ``Partial("sum")`` gradients of ``Replicate`` weights on a 1-D mesh, is summed in one flat
+    all-reduce per mesh and dtype (two norms per block would otherwise cost two small collectives each); any other
+    layout is redistributed one gradient at a time."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    flat_groups: dict[tuple[Any, torch.dtype], list[Any]] = {}  # DTensor parameters with Partial gradients
     n = 0
     for p in module.parameters():
         g = p.grad
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and any(pl.is_partial() for pl in g.placements):
+        if not (isinstance(g, DTensor) and isinstance(p, DTensor) and any(pl.is_partial() for pl in g.placements)):
+            continue
+        n += 1
+        if g.placements == (Partial("sum"),) and p.placements == (Replicate(),) and g.device_mesh == p.device_mesh:
+            flat_groups.setdefault((g.device_mesh, g.dtype), []).append(p)
+        else:
             p.grad = g.redistribute(g.device_mesh, p.placements)
-            n += 1
+    for (mesh, _), params in flat_groups.items():
+        grads = [p.grad for p in params]
+        locals_ = [g.to_local() for g in grads]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        dist.all_reduce(flat, group=mesh.get_group())
+        offset = 0
+        for p, g, local in zip(params, grads, locals_, strict=True):
+            summed = flat[offset : offset + local.numel()].view_as(local)
+            offset += local.numel()
+            p.grad = DTensor.from_local(summed, mesh, p.placements, run_check=False, shape=g.shape, stride=g.stride())
     return n

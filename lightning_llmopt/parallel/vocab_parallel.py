@@ -74,8 +74,8 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         probs, index, inside, valid, n_valid = ctx.saved_tensors
         g = probs  # reused in place: the softmax is not needed after this (backward runs once)
-        rows = torch.nonzero(inside).squeeze(1)
-        g[rows, index[rows]] -= 1.0
+        # minus the one-hot target on the rank holding it (adds -0.0 elsewhere; no nonzero(): no host sync)
+        g.scatter_add_(1, index[:, None], -inside[:, None].to(g.dtype))
         g.mul_((valid.to(g.dtype) * (grad / n_valid))[:, None])
         return g, None, None, None, None
 
