@@ -81,23 +81,12 @@ def test_stage3_validation_metrics_are_sane(tmp_path: object) -> None:
     import torch
 
     from lightning_llmopt import CausalLMModule
-    from lightning_llmopt.strategies import ZeroStrategy
     from lightning_llmopt.testing.data import RandomTokens
 
     L.seed_everything(0, verbose=False)
     data = torch.utils.data.DataLoader(RandomTokens(320, 32, 8, seed=0), batch_size=4)
     module = CausalLMModule("tiny", warmup_steps=1, max_steps=2)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ZeroStrategy(stage=3),
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
+    trainer = _stage3_trainer(tmp_path, max_steps=2)
     trainer.fit(module, train_dataloaders=data, val_dataloaders=data)
     val = float(trainer.callback_metrics["val/loss"])
     ppl = float(trainer.callback_metrics["val/ppl"])
@@ -112,7 +101,6 @@ def test_embedding_unit_is_not_gathered_for_backward(tmp_path: object) -> None:
     import torch
 
     from lightning_llmopt import CausalLMModule
-    from lightning_llmopt.strategies import ZeroStrategy
     from lightning_llmopt.testing.data import RandomTokens
 
     L.seed_everything(0, verbose=False)
@@ -128,25 +116,15 @@ def test_embedding_unit_is_not_gathered_for_backward(tmp_path: object) -> None:
             groups = emb._get_fsdp_state()._fsdp_param_groups
             assert groups and all(g.unshard_in_backward is False for g in groups)
             block0 = next(iter(pl_module.model.layers.values()))
-            assert emb not in (getattr(block0._get_fsdp_state(), "_states_to_backward_prefetch", None) or [])
+            prefetched = getattr(block0._get_fsdp_state(), "_states_to_backward_prefetch", None) or []
+            assert emb._get_fsdp_state() not in prefetched
             grad = emb.weight.grad.full_tensor()
             torch.testing.assert_close(grad, reference.tok_embeddings.weight.grad, rtol=1e-5, atol=1e-6)
             self.checked = True
 
     module = CausalLMModule("tiny", warmup_steps=1, max_steps=1)
     check = Check()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=ZeroStrategy(stage=3),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[check],
-    )
+    trainer = _stage3_trainer(tmp_path, max_steps=1, callbacks=[check])
 
     def load_reference(pl_module: L.LightningModule) -> None:
         from torch.distributed.tensor import distribute_tensor
@@ -167,3 +145,22 @@ def _reference_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
     logits = model(batch["input_ids"])
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+
+
+def _stage3_trainer(tmp_path: object, max_steps: int, callbacks: list | None = None) -> object:
+    import lightning as L
+
+    from lightning_llmopt.strategies import ZeroStrategy
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ZeroStrategy(stage=3),
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=callbacks or [],
+    )
