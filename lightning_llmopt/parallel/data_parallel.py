@@ -56,13 +56,23 @@ def all_reduce_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
     n = dist.get_world_size(group)
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     for bucket in _buckets(grads):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)
-        flat.div_(n)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_flat(bucket, group, divide_by=n)
+
+
+@torch.no_grad()
+def all_reduce_flat(tensors: list[Tensor], group: Any, divide_by: int | None = None) -> None:
+    """Sum ``tensors`` (one dtype and device) over ``group`` in place with ONE all-reduce of their concatenation
+    (then divide by ``divide_by``): many small tensors cost one collective instead of one each."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    if divide_by is not None:
+        flat.div_(divide_by)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _placement_on(t: Tensor, dim_name: str) -> Any:

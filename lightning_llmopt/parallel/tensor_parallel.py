@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_llmopt.parallel.tp_grads import reduce_partial_grads, sum_moe_grads
 from lightning_llmopt.parallel.tp_plans import ModelFamily, ModelShape, find_family
 
 __all__ = ["apply_tp", "check_plan_paths", "reduce_partial_grads", "replicate_experts", "sum_moe_grads", "validate_tp"]
@@ -397,68 +398,3 @@ def apply_tp(
     if shape.tie_embeddings:  # both are Shard(0) over the vocabulary: tie the DTensor parameters again
         _get(model, family.head).weight = _get(model, family.embedding).weight  # type: ignore[union-attr]
     return family
-
-
-@torch.no_grad()
-def sum_moe_grads(module: nn.Module) -> int:
-    """After backward: sum the gradients of every tensor-parallel MoE layer's weights over its group (each rank
-    routed its own slice of the sequence). Sums are linear, so this also holds after FSDP2's reduce-scatter (every
-    tensor-parallel rank holds the same data-parallel shard). A weight no token reached has a zero gradient here, so
-    every rank runs the same collectives. Returns the number of tensors summed."""
-    from lightning_llmopt.models.moe import moe_layers
-    from lightning_llmopt.parallel.data_parallel import local_tensor
-
-    n = 0
-    for layer in moe_layers(module):
-        if layer.tp_group is None:
-            continue
-        grads = []
-        for p in layer.parameters():
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(local_tensor(p.grad))
-        for dtype in sorted({g.dtype for g in grads}, key=str):  # one collective per layer and dtype
-            group = [g for g in grads if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in group])
-            dist.all_reduce(flat, group=layer.tp_group)
-            offset = 0
-            for g in group:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        n += len(grads)
-    return n
-
-
-@torch.no_grad()
-def reduce_partial_grads(module: nn.Module) -> int:
-    """All-reduce DTensor gradients left ``Partial`` (replicated weights applied to sharded activations, e.g. norms
-    under sequence parallelism) into the parameter's placements; returns how many were reduced.
-
-    The common case, ``Partial("sum")`` gradients of ``Replicate`` weights on a 1-D mesh, is summed in one flat
-    all-reduce per mesh and dtype (two norms per block would otherwise cost two small collectives each); any other
-    layout is redistributed one gradient at a time."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    flat_groups: dict[tuple[Any, torch.dtype], list[Any]] = {}  # DTensor parameters with Partial gradients
-    n = 0
-    for p in module.parameters():
-        g = p.grad
-        if not (isinstance(g, DTensor) and isinstance(p, DTensor) and any(pl.is_partial() for pl in g.placements)):
-            continue
-        n += 1
-        if g.placements == (Partial("sum"),) and p.placements == (Replicate(),) and g.device_mesh == p.device_mesh:
-            flat_groups.setdefault((g.device_mesh, g.dtype), []).append(p)
-        else:
-            p.grad = g.redistribute(g.device_mesh, p.placements)
-    for (mesh, _), params in flat_groups.items():
-        grads = [p.grad for p in params]
-        locals_ = [g.to_local() for g in grads]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        dist.all_reduce(flat, group=mesh.get_group())
-        offset = 0
-        for p, g, local in zip(params, grads, locals_, strict=True):
-            summed = flat[offset : offset + local.numel()].view_as(local)
-            offset += local.numel()
-            p.grad = DTensor.from_local(summed, mesh, p.placements, run_check=False, shape=g.shape, stride=g.stride())
-    return n
