@@ -369,9 +369,11 @@ class PipelineRunner:
         """
         from lightning_llmopt.parallel.pipeline_wgrad import settle_deferred
 
-        tokens = batch["input_ids"]
+        # contiguous: torch's stages check each micro-batch's strides against the first step's (a row slice such as
+        # ``ids[:, :-1]`` of several rows has row stride T + 1)
+        tokens = batch["input_ids"].contiguous()
         validate_microbatches(tokens.shape[0], self.config)
-        kwargs = {k: batch[k] for k in ("positions", "doc_ids") if isinstance(batch.get(k), Tensor)}
+        kwargs = {k: batch[k].contiguous() for k in ("positions", "doc_ids") if isinstance(batch.get(k), Tensor)}
         schedule = self._schedule((tuple(tokens.shape), tuple(sorted(kwargs))))
         self._loss_fn = loss_fn
         rows = torch.arange(tokens.shape[0], device=tokens.device)

@@ -154,6 +154,39 @@ def test_every_schedule_two_ranks(dist_pool: Any, one_process: dict[str, Any]) -
             assert "tok_embeddings.weight" in per_rank[0]["names"] and "output.weight" in per_rank[0]["names"]
 
 
+def _strided_step(state: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """1F1B step on 2 rows per micro-batch, recording whether each stage-0 micro-batch reached the module contiguous."""
+    import torch.distributed as dist
+
+    from lightning_llmopt.parallel.pipeline import PipelineRunner, prune_to_stages, stage_modules
+
+    model = Llama(_config(n_layers=4))
+    model.load_state_dict(state)
+    config = PipelineConfig(pp=2, schedule="1f1b", microbatches=2)
+    split = validate_pipeline(model, config)
+    prune_to_stages(model, split, dist.get_rank())
+    modules = stage_modules(model, split, dist.get_rank())
+    seen: list[bool] = []
+    if 0 in modules:
+        modules[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].is_contiguous()))
+    runner = PipelineRunner(modules, split, config, dist.group.WORLD, torch.device("cpu"))
+    labels = batch["labels"]
+    loss = runner.train_step({"input_ids": batch["input_ids"]}, lambda out, rows: _loss(out, labels[rows]))
+    return {"loss": float(loss), "contiguous": seen}
+
+
+def test_strided_rows_of_several_per_microbatch(dist_pool: Any, one_process: dict[str, Any]) -> None:
+    """``input_ids = data[:, :-1]`` (row stride T + 1) in micro-batches of 2 rows: torch 2.11's stages compare each
+    micro-batch's strides with the ones they inferred and raised a stride mismatch, so the runner hands stage 0
+    contiguous micro-batches; the loss still matches one process."""
+    batch = one_process["batch"]
+    assert not batch["input_ids"].is_contiguous()
+    per_rank = dist_pool(2).run(_strided_step, one_process["state"], batch)
+    assert per_rank[0]["contiguous"] and all(per_rank[0]["contiguous"]), per_rank[0]["contiguous"]
+    for r in per_rank:
+        assert abs(r["loss"] - one_process["loss"]) <= 1e-6 * one_process["loss"], r["loss"]
+
+
 # ------------------------------------------------------------------ schedule plans (pure)
 @pytest.mark.parametrize(
     ("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
