@@ -8,7 +8,8 @@
 #               step of even a 2-layer model took over 3 minutes (2026-11-22); without it the lengths stay near
 #               50K (CP=1) and 200K (CP=4), a few minutes in all.
 #   pptest      the pipeline tests (CPU, gloo) on this machine's torch, before the timings
-#   pp pp44     every pipeline schedule at M=8 and 16 on all GPUs, 1b and 44 layers (issue 5)
+#   pp pp44     every pipeline schedule at M=8 and 16 on all GPUs, 1b and 44 layers (issue 5); pp with micro-batches
+#               of 2 rows x 2048 tokens: at 1 row one 11-layer stage is bound by the host (profile_stage.py)
 #   zero        ZeRO stages against ddp and fsdp on all GPUs (issue 3); zero3: only fsdp and zero3, merged into the
 #               record
 #   zeroprof    fsdp and zero3 under torch.profiler (top operators, device idle time, gzipped timelines in
@@ -56,8 +57,8 @@ for s in "$@"; do
       --warmup-steps 0 --steps 1 --longest-start 32768 --bisect 1 --timeout 200 ;;
     pptest) step 180 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_pipeline_wgrad.py \
       tests/parallel/test_pipeline.py ;;  # the deferred B/W split on this machine's torch (2.11) before timing it
-    pp) step 240 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
-      --warmup 2 --steps 6 ;;
+    pp) step 280 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
+      --rows-per-microbatch 2 --warmup 2 --steps 6 ;;
     pp44) step 300 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
       --layers 44 --warmup 2 --steps 4 ;;
     zero) step 300 python3 benchmarks/bench_zero.py --nproc "$N" --log-dir "$LOGS" ;;
