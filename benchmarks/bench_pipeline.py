@@ -59,12 +59,19 @@ def run_schedule(args: argparse.Namespace, name: str, v: int, m: int, device: to
     from lightning_llmopt.parallel.pipeline_plan import plan
 
     pp, rank = dist.get_world_size(), dist.get_rank()
-    overrides = {"max_seq_len": max(args.seq_len, 256), **({"n_layers": args.layers} if args.layers else {})}
+    overrides: dict[str, Any] = {
+        "max_seq_len": max(args.seq_len, 256),
+        **({"n_layers": args.layers} if args.layers else {}),
+    }
+    if args.fused_kernels:
+        overrides["fused_kernels"] = args.fused_kernels
+    if args.attn_backend:
+        overrides["attn_backend"] = args.attn_backend
     cfg = LlamaConfig.from_preset(args.preset, **overrides)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Llama(cfg)
-    config = PipelineConfig(pp=pp, schedule=name, microbatches=m, virtual_stages=v)
+    config = PipelineConfig(pp=pp, schedule=name, microbatches=m, virtual_stages=v, split_backward=args.split_backward)
     split = validate_pipeline(model, config, seq_len=args.seq_len)
     prune_to_stages(model, split, rank)
     model.to_empty(device=device)
@@ -111,6 +118,10 @@ def run_schedule(args: argparse.Namespace, name: str, v: int, m: int, device: to
         # imbalance excluded: the part of the step that even the critical rank spends waiting)
         "measured_bubble": statistics.fmean(1.0 - b / step for b in busies),
         "measured_bubble_busiest": 1.0 - max(busies) / step,
+        # against the stage run alone (the work time the theory's unit cost stands for when the host, not the GPU,
+        # bounds a stage): mean over ranks, and the slowest rank
+        "measured_bubble_alone": statistics.fmean(1.0 - float(b[1]) / step for b in busy_all),
+        "measured_bubble_alone_busiest": 1.0 - max(float(b[1]) for b in busy_all) / step,
         "theory_bubble": theory.theory if theory.theory is not None else theory.bubble,
     }
 
@@ -153,7 +164,7 @@ def _busy_time(
     mb = args.rows_per_microbatch
     last = split.num_stages - 1
     reps = []
-    for _ in range(max(args.steps // 2, 1)):
+    for _ in range(max(args.steps, 3) + 1):  # the first is a warm-up (dropped); the best of the rest is kept
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -175,7 +186,7 @@ def _busy_time(
         reps.append(time.perf_counter() - t0)
         for mod in modules.values():
             mod.zero_grad(set_to_none=True)
-    return statistics.median(reps)
+    return min(reps[1:])
 
 
 def pipeline_record(config: dict[str, Any], results: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
@@ -192,15 +203,25 @@ def pipeline_record(config: dict[str, Any], results: list[dict[str, Any]], **kw:
         # step = busy / (1 - bubble) with the same busy time: speedup = (1 - bubble) / (1 - bubble_1f1b)
         r["predicted_speedup_vs_1f1b"] = (1.0 - r["theory_bubble"]) / (1.0 - b["theory_bubble"])
         r["bubble_gap_pp"] = 100.0 * (r["measured_bubble"] - r["theory_bubble"])
+        if "measured_bubble_alone" in r:
+            r["bubble_gap_alone_pp"] = 100.0 * (r["measured_bubble_alone"] - r["theory_bubble"])
     name = f"pipeline-{config['preset']}" + (f"-{config['layers']}l" if config.get("layers") else "")
+    if config.get("rows_per_microbatch", 2) != 2:
+        name += f"-mb{config['rows_per_microbatch']}"
+    if config.get("fused_kernels"):
+        name += "-fused"
     name += f"-{config['world_size']}gpu"
     notes = [
         "one torchrun launch, every schedule in turn on torch.distributed.pipelining stages; no optimizer step",
         "measured_bubble = mean over ranks of 1 - busy/step; busy (busy_method 'kernels') = the union of the rank's "
         "kernel intervals over one profiled step, NCCL kernels excluded; theory assumes equal stages (the last stage "
         "also holds the head and the loss); predicted_speedup_vs_1f1b = (1 - theory) / (1 - theory of 1F1B)",
-        "zero_bubble/zbv use torch's B/W split (stage_backward_input + stage_backward_weight); their step time is "
-        "the cost of that split, not the schedule's idle time",
+        "measured_bubble_alone = mean over ranks of 1 - alone/step, alone = the best of several runs of the rank's "
+        "stage modules' forward + backward for the M micro-batches without the pipeline (the reference when the host "
+        "bounds a stage: its kernels then fill less than its time)",
+        "zero_bubble/zbv/dualpipev split the backward with "
+        f"split_backward={config.get('split_backward', 'deferred')!r} "
+        "('deferred': our weight-gradient store; 'torch': stage_backward_input + stage_backward_weight)",
         *kw.pop("notes", []),
     ]
     return records.make_record(name, config, rows, [], benchmark="pipeline", ratio_metric=None, notes=notes, **kw)
@@ -229,6 +250,9 @@ def worker(args: argparse.Namespace) -> None:
                 "world_size": dist.get_world_size(),
                 "seq_len": args.seq_len,
                 "rows_per_microbatch": args.rows_per_microbatch,
+                "fused_kernels": args.fused_kernels,
+                "attn_backend": args.attn_backend or "preset default",
+                "split_backward": args.split_backward,
                 "warmup": args.warmup,
                 "steps": args.steps,
             }
@@ -242,7 +266,15 @@ def main() -> None:
     parser.add_argument("--preset", default="1b")
     parser.add_argument("--layers", type=int, default=0, help="override the preset's block count (0: keep)")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--rows-per-microbatch", type=int, default=1)
+    parser.add_argument(
+        "--rows-per-microbatch",
+        type=int,
+        default=2,
+        help="rows of --seq-len tokens per micro-batch (default 2: at 1 row a 1b stage is bound by the host)",
+    )
+    parser.add_argument("--fused-kernels", nargs="*", default=[], help="model kernels, e.g. rmsnorm rope swiglu")
+    parser.add_argument("--attn-backend", default=None, help="model attention backend (default: the preset's)")
+    parser.add_argument("--split-backward", default="deferred", choices=["deferred", "torch"])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)

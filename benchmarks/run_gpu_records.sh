@@ -8,8 +8,9 @@
 #               step of even a 2-layer model took over 3 minutes (2026-11-22); without it the lengths stay near
 #               50K (CP=1) and 200K (CP=4), a few minutes in all.
 #   pptest      the pipeline tests (CPU, gloo) on this machine's torch, before the timings
-#   pp pp44     every pipeline schedule at M=8 and 16 on all GPUs, 1b and 44 layers (issue 5); pp with micro-batches
-#               of 2 rows x 2048 tokens: at 1 row one 11-layer stage is bound by the host (profile_stage.py)
+#   pp pp44     every pipeline schedule at M=8 and 16 on all GPUs, 1b and 44 layers (issue 5); micro-batches of
+#               2 rows x 2048 tokens: at 1 row one 11-layer stage is bound by the host (profile_stage.py)
+#   ppfused     pp with our fused RMSNorm/RoPE/SwiGLU and flash attention (fewer kernel launches per layer)
 #   zero        ZeRO stages against ddp and fsdp on all GPUs (issue 3); zero3: only fsdp and zero3, merged into the
 #               record
 #   zeroprof    fsdp and zero3 under torch.profiler (top operators, device idle time, gzipped timelines in
@@ -58,9 +59,11 @@ for s in "$@"; do
     pptest) step 180 python3 -m pytest -q -p no:cacheprovider tests/parallel/test_pipeline_wgrad.py \
       tests/parallel/test_pipeline.py ;;  # the deferred B/W split on this machine's torch (2.11) before timing it
     pp) step 280 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
-      --rows-per-microbatch 2 --warmup 2 --steps 6 ;;
+      --warmup 2 --steps 6 ;;
+    ppfused) step 280 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
+      --fused-kernels rmsnorm rope swiglu --attn-backend triton --warmup 2 --steps 6 ;;
     pp44) step 300 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
-      --layers 44 --warmup 2 --steps 4 ;;
+      --layers 44 --rows-per-microbatch 1 --warmup 2 --steps 4 ;;  # 2 rows: GPipe M=16 holds ~180 GB at PP=2
     zero) step 300 python3 benchmarks/bench_zero.py --nproc "$N" --log-dir "$LOGS" ;;
     zero3) step 120 python3 benchmarks/bench_zero.py --nproc "$N" --variants fsdp zero3 --merge --log-dir "$LOGS" ;;
     zeroprof) LLMOPT_PROFILE_TRACE="${OUT:-$LOGS}/traces" step 150 python3 benchmarks/bench_zero.py --nproc "$N" \
