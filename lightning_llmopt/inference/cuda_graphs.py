@@ -22,6 +22,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -104,6 +105,8 @@ class DecodeGraphs:
         pin = runner.device.type == "cuda"
         self._staging = torch.zeros(5, b, dtype=torch.long, pin_memory=pin)
         self._table_staging = torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._chain_staging: Tensor | None = None  # stage_chain's pinned rows (P, 5, max_batch) and tables
+        self._chain_tables: Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self._mempool: Any = None
@@ -170,26 +173,63 @@ class DecodeGraphs:
         self.tables[:n, :widest].copy_(self._table_staging[:n, :widest], non_blocking=True)
         return n
 
+    def _step(self, b: int) -> Tensor:
+        """Logits of the step the static buffers hold for ``b`` rows: the graph's replay (captured on first use), or
+        the same step eagerly without capture."""
+        if self.capture and b not in self.graphs:
+            try:
+                self._capture(b)
+            except RuntimeError as exc:  # e.g. a layer that syncs with the host: keep serving, eagerly
+                warnings.warn(f"CUDA graph capture of {b} rows failed ({exc}); steps run eagerly", stacklevel=2)
+                torch.cuda.synchronize(self.runner.device)
+                self.capture = False
+        if not self.capture:
+            return self.runner.forward(self._inputs(b), max_context=self.max_context)
+        self.graphs[b].replay()
+        return self.outputs[b]
+
     def run(self, work: list[Work]) -> Tensor:
         """The logits :meth:`ModelRunner.forward` returns for ``work`` (see :meth:`accepts`): one row per sampled
         token, in order."""
         n = sum(w.num_tokens for w in work)
         b = next(s for s in self.sizes if s >= n)
         self._fill(work, b)
-        if not self.capture:
-            out = self.runner.forward(self._inputs(b), max_context=self.max_context)
-        else:
-            if b not in self.graphs:
-                try:
-                    self._capture(b)
-                except RuntimeError as exc:  # e.g. a layer that syncs with the host: keep serving, eagerly
-                    warnings.warn(f"CUDA graph capture of {b} rows failed ({exc}); steps run eagerly", stacklevel=2)
-                    torch.cuda.synchronize(self.runner.device)
-                    self.capture = False
-                    return self.run(work)
-            self.graphs[b].replay()
-            out = self.outputs[b]
+        out = self._step(b)
         pick = sampled_rows(work)
         if pick is None:
             return out[:n]
         return out.index_select(0, torch.tensor(pick, dtype=torch.long).to(out.device, non_blocking=True))
+
+    def stage_chain(self, passes: list[np.ndarray], tables: list[list[int]]) -> Tensor:
+        """Upload the inputs of a chain of steps over the same ``n`` single-token rows: ``passes`` (each ``(5, n)``,
+        the :func:`decode_rows` layout) in one copy, and the rows' block tables (one per row, shared by every pass)
+        into the static table buffer. Returns ``(P, 5, b)`` device rows for :meth:`replay_rows` (``b`` the captured
+        size for ``n``; padding rows zero). The pinned buffers are the chain's own, reused by the next chain: the
+        caller synchronises with the host in between (it reads the chain's tokens)."""
+        n, P = len(tables), len(passes)
+        b = next(s for s in self.sizes if s >= n)
+        pin = self.runner.device.type == "cuda"
+        if self._chain_staging is None or self._chain_staging.shape[0] < P:
+            self._chain_staging = torch.zeros(P, 5, self.max_batch, dtype=torch.long, pin_memory=pin)
+            self._chain_tables = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.int32, pin_memory=pin)
+        assert self._chain_tables is not None
+        stage = self._chain_staging.numpy()
+        stage[:P, :, :b] = 0
+        for j, rows in enumerate(passes):
+            stage[j, :, :n] = rows
+        tab = self._chain_tables.numpy()
+        widest = max([1, *(len(t) for t in tables)])
+        for r, table in enumerate(tables):
+            tab[r, : len(table)] = table
+        self.tables[:n, :widest].copy_(self._chain_tables[:n, :widest], non_blocking=True)
+        return self._chain_staging[:P, :, :b].to(self.runner.device, non_blocking=True)
+
+    def replay_rows(self, meta: Tensor, n: int, ids: Tensor | None = None) -> Tensor:
+        """Logits ``(n, V)`` of one step of a chain (:meth:`stage_chain`): ``meta`` ``(5, b)`` on the device becomes
+        the step's rows, ``ids`` ``(n,)`` (tokens computed by the previous step, still on the device) replaces their
+        token row. Nothing is copied from the host and nothing waits for the device."""
+        b = meta.shape[1]
+        self.meta[:, :b].copy_(meta)
+        if ids is not None:
+            self.ids[:n].copy_(ids)
+        return self._step(b)[:n]

@@ -32,7 +32,7 @@ from lightning_llmopt.inference.block_manager import BlockManager, OutOfBlocks
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, step_logits
 from lightning_llmopt.inference.kv_pool import KVPool
 from lightning_llmopt.inference.request import Sequence as Seq
-from lightning_llmopt.inference.runner import ModelRunner
+from lightning_llmopt.inference.runner import ModelRunner, decode_rows
 from lightning_llmopt.inference.sampling import SamplingParams, _filter
 from lightning_llmopt.inference.scheduler import Work
 from lightning_llmopt.models.llama import Llama
@@ -138,6 +138,8 @@ class ModelDrafter:
         self.blocks = BlockManager(num_blocks, block_size)
         self.runner = ModelRunner(model, self.pool, backend, fused=None)
         self.state: dict[int, _DraftSeq] = {}
+        # with graphs, rounds of equal k run back to back on the device and read their tokens once (:meth:`_chain`)
+        self.chain_rounds = True
         self.graphs = None
         if graph_sizes and max_model_len and device.type == "cuda":  # draft steps replayed like the target's
             self.graphs = DecodeGraphs(self.runner, graph_sizes, self.blocks.blocks_for(max_model_len), max_model_len)
@@ -189,6 +191,10 @@ class ModelDrafter:
             except OutOfBlocks:
                 continue  # no room in the draft cache: this sequence does not speculate this step
             active.append((r, ds))
+        if self.chain_rounds and self.graphs is not None and K > 1 and active and all(ks[r] == K for r, _ in active):
+            if self.graphs.fits(len(active)):
+                self._chain(seqs, K, generators, active, tokens, probs)
+                return Proposal(tokens, probs[:, :K])
         for j in range(K):
             items = [(r, ds) for r, ds in active if ks[r] > j]
             if not items:
@@ -204,6 +210,53 @@ class ModelDrafter:
                 tokens[r].append(tok)
                 ds.tokens.append(tok)
         return Proposal(tokens, probs[:, :K])
+
+    def _chain(
+        self,
+        seqs: Sequence[Seq],
+        K: int,
+        generators: Sequence[torch.Generator | None],
+        active: list[tuple[int, _DraftSeq]],
+        tokens: list[list[int]],
+        probs: Tensor,
+    ) -> None:
+        """The ``K`` draft rounds of ``active`` (every one drafting ``K`` tokens) with one host synchronisation.
+
+        The first round computes each sequence's uncomputed tokens (:meth:`_forward`). Rounds ``1 .. K - 1`` feed one
+        token per sequence at known positions, so their rows (positions, slots, context lengths) and block tables
+        go to the device before they run; each round's token row is the previous round's picks, copied on the
+        device. The tokens reach the host once, after the last round (the per-round loop reads them every round)."""
+        assert self.graphs is not None
+        rows_of = [r for r, _ in active]
+        starts = [len(ds.tokens) for _, ds in active]
+        first = self._forward(active)
+        for _, ds in active:  # placeholders: the rows of later rounds read positions and slots, not the tokens
+            ds.tokens.extend([0] * (K - 1))
+        size = self.blocks.block_size
+        passes = [
+            decode_rows([Work(ds, s + j, 1) for (_, ds), s in zip(active, starts, strict=True)], size)[0]  # type: ignore[arg-type]
+            for j in range(K - 1)
+        ]
+        metas = self.graphs.stage_chain(passes, [ds.block_table for _, ds in active])
+        index = torch.tensor(rows_of, dtype=torch.long).to(probs.device, non_blocking=True)
+        params = [seqs[r].request.params for r in rows_of]
+        logits = torch.stack([first[r] for r in rows_of])
+        picks_per_round: list[Tensor] = []
+        for j in range(K):
+            if j:
+                logits = self.graphs.replay_rows(metas[j - 1], len(active), ids=picks_per_round[-1])
+            qs = torch.stack([draft_distribution(logits[i], p) for i, p in enumerate(params)])
+            picks = qs.argmax(-1)
+            for i, r in enumerate(rows_of):
+                if not params[i].greedy:
+                    picks[i] = torch.multinomial(qs[i], 1, generator=generators[r])[0]
+            probs[index, j] = qs
+            picks_per_round.append(picks)
+        drafted = torch.stack(picks_per_round, dim=1).tolist()  # the round's one host synchronisation
+        for (r, ds), s, toks in zip(active, starts, drafted, strict=True):
+            tokens[r].extend(toks)
+            ds.tokens[s:] = toks
+            ds.num_computed = s + K - 1
 
     def release(self, live: set[int]) -> None:
         for sid in [s for s in self.state if s not in live]:

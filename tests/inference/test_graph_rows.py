@@ -25,11 +25,16 @@ class _Spy(DecodeGraphs):
         super().__init__(*a, capture=False, **kw)
         self.steps = 0
         self.multi = 0
+        self.chained = 0
 
     def run(self, work):
         self.steps += 1
         self.multi += any(w.num_tokens > 1 for w in work)
         return super().run(work)
+
+    def replay_rows(self, meta, n, ids=None):
+        self.chained += 1
+        return super().replay_rows(meta, n, ids)
 
 
 def _rows_engine(model, **kw) -> LLMEngine:
@@ -71,6 +76,8 @@ def test_row_layout_greedy_matches_full_recompute(method, model_factory, referen
         assert engine.stats.spec_verifications > 0
         assert engine.graphs.multi > 0, "no verify step took the row layout"
         assert engine.spec.drafter.graphs.steps > 0, "no draft step took the row layout"
+        if method == "draft":
+            assert engine.spec.drafter.graphs.chained > 0, "no draft rounds were chained on the device"
     engine.prefix_cache.clear()
     assert engine.blocks.allocator.num_free == engine.blocks.allocator.capacity
 
@@ -127,3 +134,22 @@ def test_mixed_steps_split_between_graph_and_eager(model_factory, reference, pro
     for p, m, o in zip(prompts, max_tokens, outs, strict=True):
         assert o.token_ids == reference(model, p, m)
     assert graph_steps & eager_steps, "no step was split between the graph and the eager prefill path"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_chained_draft_rounds_equal_round_by_round(temperature, model_factory, prompts_factory):
+    """A draft model's rounds chained on the device (rows staged up front, tokens fed back without the host, one
+    read at the end) propose what the round-by-round loop proposes: the same seeded requests give the same tokens,
+    greedy and sampled (the draft distributions and the draws are the same, in the same order)."""
+    outs = []
+    for chain in (True, False):
+        spec = SpeculativeConfig(
+            "draft", draft_model=model_factory(seed=9, n_layers=1, dim=32, n_heads=2), num_tokens=3, adaptive=False
+        )
+        engine = _rows_engine(model_factory(seed=1), speculative=spec)
+        engine.spec.drafter.chain_rounds = chain
+        prompts = _prompts(prompts_factory)
+        params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i) for i, m in enumerate(MAX_TOKENS)]
+        outs.append([o.token_ids for o in engine.generate(prompts, params)])
+        assert (engine.spec.drafter.graphs.chained > 0) == chain
+    assert outs[0] == outs[1]
