@@ -220,12 +220,13 @@ class ModelDrafter:
         tokens: list[list[int]],
         probs: Tensor,
     ) -> None:
-        """The ``K`` draft rounds of ``active`` (every one drafting ``K`` tokens) with one host synchronisation.
+        """The ``K`` draft rounds (one token each) of ``active`` (every one drafting ``K`` tokens) with one host
+        synchronisation for the whole proposal.
 
         The first round computes each sequence's uncomputed tokens (:meth:`_forward`). Rounds ``1 .. K - 1`` feed one
         token per sequence at known positions, so their rows (positions, slots, context lengths) and block tables
         go to the device before they run; each round's token row is the previous round's picks, copied on the
-        device. The tokens reach the host once, after the last round (the per-round loop reads them every round)."""
+        device. The tokens reach the host once, after the last round (the round-by-round loop reads them each round)."""
         assert self.graphs is not None
         rows_of = [r for r, _ in active]
         starts = [len(ds.tokens) for _, ds in active]
@@ -252,7 +253,7 @@ class ModelDrafter:
                     picks[i] = torch.multinomial(qs[i], 1, generator=generators[r])[0]
             probs[index, j] = qs
             picks_per_round.append(picks)
-        drafted = torch.stack(picks_per_round, dim=1).tolist()  # the round's one host synchronisation
+        drafted = torch.stack(picks_per_round, dim=1).tolist()  # the proposal's one host synchronisation
         for (r, ds), s, toks in zip(active, starts, drafted, strict=True):
             tokens[r].extend(toks)
             ds.tokens[s:] = toks
