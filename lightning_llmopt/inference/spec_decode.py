@@ -212,12 +212,16 @@ class SpeculativeDecoder:
             drafts[i, : len(it.drafts)] = torch.tensor(it.drafts)
         q = None
         if self.proposal_probs is not None:
-            sel = torch.tensor([it.row for it in items], device=self.proposal_probs.device)
+            sel = torch.tensor([it.row for it in items]).to(self.proposal_probs.device, non_blocking=True)
             q = torch.zeros(B, K, V, device=dev)
             picked = self.proposal_probs.index_select(0, sel)[:, :K]
             q[:, : picked.shape[1]] = picked
-        res = speculative_verify(probs, drafts.to(dev), num, q, greedy, self._uniforms(items, K, dev))
-        for it, m, t in zip(items, res.num_accepted.tolist(), res.next_tokens.tolist(), strict=True):
+        # host tensors go over without waiting for the device (a blocking copy would first drain the verify pass);
+        # the outcome comes back in one read
+        drafts, num, greedy = (t.to(dev, non_blocking=True) for t in (drafts, num, greedy))
+        res = speculative_verify(probs, drafts, num, q, greedy, self._uniforms(items, K, dev))
+        accepted, nxt = torch.stack([res.num_accepted, res.next_tokens]).tolist()
+        for it, m, t in zip(items, accepted, nxt, strict=True):
             it.accepted, it.next_token = m, t
             seq = it.work.seq
             del seq.tokens[it.base_len + m :]
