@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_llmopt.inference.runner import ModelRunner, StepInputs, decode_rows, sampled_rows
+from lightning_llmopt.inference.runner import ModelRunner, StepInputs, decode_rows, sampled_rows, to_device
 from lightning_llmopt.inference.scheduler import Work
 
 __all__ = ["DecodeGraphs", "graph_sizes", "step_logits"]
@@ -198,7 +198,7 @@ class DecodeGraphs:
         pick = sampled_rows(work)
         if pick is None:
             return out[:n]
-        return out.index_select(0, torch.tensor(pick, dtype=torch.long).to(out.device, non_blocking=True))
+        return out.index_select(0, to_device(torch.tensor(pick, dtype=torch.long), out.device))
 
     def stage_chain(self, passes: list[np.ndarray], tables: list[list[int]]) -> Tensor:
         """Upload the inputs of a chain of steps over the same ``n`` single-token rows: ``passes`` (each ``(5, n)``,

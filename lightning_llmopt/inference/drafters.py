@@ -32,7 +32,7 @@ from lightning_llmopt.inference.block_manager import BlockManager, OutOfBlocks
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, step_logits
 from lightning_llmopt.inference.kv_pool import KVPool
 from lightning_llmopt.inference.request import Sequence as Seq
-from lightning_llmopt.inference.runner import ModelRunner, decode_rows
+from lightning_llmopt.inference.runner import ModelRunner, decode_rows, to_device
 from lightning_llmopt.inference.sampling import SamplingParams, _filter
 from lightning_llmopt.inference.scheduler import Work
 from lightning_llmopt.models.llama import Llama
@@ -239,7 +239,7 @@ class ModelDrafter:
             for j in range(K - 1)
         ]
         metas = self.graphs.stage_chain(passes, [ds.block_table for _, ds in active])
-        index = torch.tensor(rows_of, dtype=torch.long).to(probs.device, non_blocking=True)
+        index = to_device(torch.tensor(rows_of, dtype=torch.long), probs.device)
         params = [seqs[r].request.params for r in rows_of]
         logits = torch.stack([first[r] for r in rows_of])
         picks_per_round: list[Tensor] = []

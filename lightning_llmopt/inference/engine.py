@@ -31,7 +31,7 @@ from lightning_llmopt.inference.prefix_cache import RadixCache
 from lightning_llmopt.inference.quant import calibrate_kv_scales
 from lightning_llmopt.inference.request import Completion, CompletionOutput, Request, RequestMetrics, StreamEvent, now
 from lightning_llmopt.inference.request import Sequence as Seq
-from lightning_llmopt.inference.runner import ModelRunner
+from lightning_llmopt.inference.runner import ModelRunner, to_device
 from lightning_llmopt.inference.sampling import SamplingParams, sample
 from lightning_llmopt.inference.scheduler import Schedule, Scheduler, Work
 from lightning_llmopt.inference.stats import EngineStats
@@ -278,7 +278,8 @@ class LLMEngine:
         self.scheduler.complete(sched)
         events = []
         if plain_work:
-            events = self._sample(plain_work, logits.index_select(0, torch.tensor(plain_rows, device=logits.device)))
+            plain = logits.index_select(0, to_device(torch.tensor(plain_rows), logits.device))
+            events = self._sample(plain_work, plain)
         for it in ordered:
             seq = it.work.seq
             del seq.tokens[it.base_len :]  # the accepted drafts are appended again below, with stop checks
@@ -306,7 +307,7 @@ class LLMEngine:
         if not seqs:
             return []
         if rows != list(range(logits.shape[0])):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
         tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
         return [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
 

@@ -27,13 +27,22 @@ from lightning_llmopt.kernels.paged_attention import paged_attention
 from lightning_llmopt.models.llama import Llama
 from lightning_llmopt.models.rope import apply_rope
 
-__all__ = ["ModelRunner", "StepInputs", "decode_rows", "sampled_rows", "seqlen_bucket"]
+__all__ = ["ModelRunner", "StepInputs", "decode_rows", "sampled_rows", "seqlen_bucket", "to_device"]
 
 
 def seqlen_bucket(n: int) -> int:
     """``max_seqlen`` handed to the flash kernel: a power of two >= 64 (an upper bound is all the varlen kernel
     needs, and a few distinct values keep its autotuner from re-tuning for every new prompt length)."""
     return max(64, 1 << max(0, (n - 1).bit_length()))
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` (on the host) on ``device`` without waiting for the device: a blocking copy, or one from pageable memory,
+    may first drain the stream, which leaves the GPU idle while the host prepares what follows. On CUDA the copy goes
+    through pinned memory (PyTorch's caching host allocator keeps the block until the copy has run)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def decode_rows(work: list[Work], block_size: int) -> tuple[np.ndarray, list[list[int]]]:
@@ -169,15 +178,15 @@ class ModelRunner:
         ctx = [w.start + 1 for w in dec]
         cat = np.concatenate
         inp = StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(dev),
-            positions=torch.from_numpy(cat(pos)).to(dev),
-            blocks=torch.from_numpy(cat(blk)).to(dev),
-            slots=torch.from_numpy(cat(slot)).to(dev),
+            input_ids=to_device(torch.tensor(ids, dtype=torch.long), dev),
+            positions=to_device(torch.from_numpy(cat(pos)), dev),
+            blocks=to_device(torch.from_numpy(cat(blk)), dev),
+            slots=to_device(torch.from_numpy(cat(slot)), dev),
             num_decode=nd,
-            dec_tables=torch.from_numpy(tables).to(dev),
-            dec_ctx=torch.tensor(ctx, dtype=torch.int32).to(dev),
+            dec_tables=to_device(torch.from_numpy(tables), dev),
+            dec_ctx=to_device(torch.tensor(ctx, dtype=torch.int32), dev),
             dec_max_ctx=max(ctx, default=1),
-            logits_idx=torch.tensor(logits_idx, dtype=torch.long).to(dev),
+            logits_idx=to_device(torch.tensor(logits_idx, dtype=torch.long), dev),
         )
         if pre:
             self._segments(pre, inp)
@@ -193,14 +202,14 @@ class ModelRunner:
         tab = np.zeros((n, max(width, 1)), dtype=np.int32)
         for r, t in enumerate(tables):
             tab[r, : len(t)] = t
-        meta = torch.from_numpy(rows).to(self.device)
+        meta = to_device(torch.from_numpy(rows), self.device)
         return StepInputs(
             input_ids=meta[0],
             positions=meta[1],
             blocks=meta[2],
             slots=meta[3],
             num_decode=n,
-            dec_tables=torch.from_numpy(tab).to(self.device),
+            dec_tables=to_device(torch.from_numpy(tab), self.device),
             dec_ctx=meta[4].to(torch.int32),
             dec_max_ctx=int(rows[4].max()) if n else 1,
             logits_idx=torch.arange(n, device=self.device),
@@ -222,15 +231,15 @@ class ModelRunner:
             new_rows.append(np.arange(row + c, row + c + w.num_tokens))
             lens.append(c + w.num_tokens)
             row += c + w.num_tokens
-        inp.seg_cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32).to(dev)
+        inp.seg_cu = to_device(torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32), dev)
         inp.seg_max = seqlen_bucket(max(lens))
         inp.seg_total = row
         if ctx_rows:
             cat = np.concatenate
-            inp.seg_new = torch.from_numpy(cat(new_rows)).to(dev)
-            inp.seg_ctx = torch.from_numpy(cat(ctx_rows)).to(dev)
-            inp.ctx_blocks = torch.from_numpy(cat(ctx_blk)).to(dev)
-            inp.ctx_slots = torch.from_numpy(cat(ctx_slot)).to(dev)
+            inp.seg_new = to_device(torch.from_numpy(cat(new_rows)), dev)
+            inp.seg_ctx = to_device(torch.from_numpy(cat(ctx_rows)), dev)
+            inp.ctx_blocks = to_device(torch.from_numpy(cat(ctx_blk)), dev)
+            inp.ctx_slots = to_device(torch.from_numpy(cat(ctx_slot)), dev)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()

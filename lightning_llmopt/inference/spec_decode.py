@@ -26,6 +26,7 @@ from torch import Tensor
 from lightning_llmopt.inference.block_manager import BlockManager, OutOfBlocks
 from lightning_llmopt.inference.drafters import Drafter, ModelDrafter, PromptLookupDrafter, quantized_drafter
 from lightning_llmopt.inference.request import Sequence as Seq
+from lightning_llmopt.inference.runner import to_device
 from lightning_llmopt.inference.sampling import SamplingParams, _filter
 from lightning_llmopt.inference.scheduler import Schedule, Work
 from lightning_llmopt.inference.speculative import AdaptiveDraftLength, SpeculativeConfig, speculative_verify
@@ -212,13 +213,13 @@ class SpeculativeDecoder:
             drafts[i, : len(it.drafts)] = torch.tensor(it.drafts)
         q = None
         if self.proposal_probs is not None:
-            sel = torch.tensor([it.row for it in items]).to(self.proposal_probs.device, non_blocking=True)
+            sel = to_device(torch.tensor([it.row for it in items]), self.proposal_probs.device)
             q = torch.zeros(B, K, V, device=dev)
             picked = self.proposal_probs.index_select(0, sel)[:, :K]
             q[:, : picked.shape[1]] = picked
         # host tensors go over without waiting for the device (a blocking copy would first drain the verify pass);
         # the outcome comes back in one read
-        drafts, num, greedy = (t.to(dev, non_blocking=True) for t in (drafts, num, greedy))
+        drafts, num, greedy = (to_device(t, dev) for t in (drafts, num, greedy))
         res = speculative_verify(probs, drafts, num, q, greedy, self._uniforms(items, K, dev))
         accepted, nxt = torch.stack([res.num_accepted, res.next_tokens]).tolist()
         for it, m, t in zip(items, accepted, nxt, strict=True):
