@@ -25,11 +25,12 @@ import torch
 from lightning_llmopt.inference.block_manager import BlockManager
 from lightning_llmopt.inference.config import EngineConfig
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, graph_sizes, step_logits
+from lightning_llmopt.inference.engine_outputs import EngineOutputs
 from lightning_llmopt.inference.inputs import Prompt, encode_prompt, prepare_batch, validate_prompt
 from lightning_llmopt.inference.kv_pool import KVPool, KVScales, block_bytes, blocks_from_free_memory
 from lightning_llmopt.inference.prefix_cache import RadixCache
 from lightning_llmopt.inference.quant import calibrate_kv_scales
-from lightning_llmopt.inference.request import Completion, CompletionOutput, Request, RequestMetrics, StreamEvent, now
+from lightning_llmopt.inference.request import Completion, Request, RequestMetrics, StreamEvent, now
 from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.runner import ModelRunner, to_device
 from lightning_llmopt.inference.sampling import SamplingParams, sample
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["LLMEngine"]
 
 
-class LLMEngine:
+class LLMEngine(EngineOutputs):
     """Serve a :class:`~lightning_llmopt.models.llama.Llama` (see the module docstring).
 
     Arguments:
@@ -311,46 +312,6 @@ class LLMEngine:
         tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
         return [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
 
-    def _append(self, seq: Seq, token: int) -> StreamEvent:
-        return self._append_tokens(seq, [token])
-
-    def _append_tokens(self, seq: Seq, tokens: list[int]) -> StreamEvent:
-        """Append sampled ``tokens`` in order, stopping at a stop token or the length limit (later ones dropped)."""
-        req, p = seq.request, seq.request.params
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now()
-        eos = getattr(self.tokenizer, "eos_id", None)
-        reason = None
-        for token in tokens:
-            if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
-                reason = "stop"
-                break
-            seq.tokens.append(token)
-            if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
-                reason = "length"
-                break
-        if reason is not None:
-            seq.num_computed = min(seq.num_computed, len(seq.tokens))  # accepted drafts past a stop: not kept
-            self.scheduler.finish(seq, reason)
-            if req.finished:
-                req.metrics.finish_time = now()
-                self.stats.record(req.metrics, sum(s.num_output for s in req.seqs))
-        new = seq.output_tokens[seq.num_streamed :]
-        seq.num_streamed = seq.num_output
-        return StreamEvent(req.request_id, seq.index, new, self._decode(new), reason is not None, reason)
-
-    def _decode(self, tokens: list[int]) -> str | None:
-        """Text of ``tokens``; ids the tokenizer does not know (a model vocabulary padded past the tokenizer's) are
-        skipped, and a tokenizer error gives ``None`` rather than breaking the step for every other request."""
-        if self.tokenizer is None:
-            return None
-        size = getattr(self.tokenizer, "vocab_size", None)
-        known = [t for t in tokens if size is None or t < size]
-        try:
-            return str(self.tokenizer.decode(known))
-        except Exception:  # noqa: BLE001 - text is a convenience; token ids are the result
-            return None
-
     # ------------------------------------------------------------------ batch API
     def _prepare_batch(
         self,
@@ -392,17 +353,6 @@ class LLMEngine:
         while any(not self._requests[r].finished for r in ids) and self.scheduler.has_work():
             self.step()
         return [self.result(r) for r in ids]
-
-    def result(self, request_id: str) -> Completion:
-        """The completion of a request (pops it from the engine once finished)."""
-        req = self._requests[request_id]
-        outs = [
-            CompletionOutput(s.index, s.output_tokens, self._decode(s.output_tokens), s.finish_reason)
-            for s in sorted(req.seqs, key=lambda s: s.index)
-        ]
-        if req.finished:
-            del self._requests[request_id]
-        return Completion(req.request_id, req.prompt_token_ids, outs, req.metrics)
 
     # ------------------------------------------------------------------ prefix pins, int8 calibration
     def pin_prefix(self, prompt: Prompt) -> list[int]:
