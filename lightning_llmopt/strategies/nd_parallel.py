@@ -10,7 +10,8 @@ and the sharded atomic checkpoints:
 - ``setup``: unless the user's ``configure_model`` already parallelised the model (DTensor parameters or FSDP2
   modules), apply TP -> CP -> activation checkpointing -> compile -> ZeRO-3 (:func:`~lightning_llmopt.parallel.
   parallelize.parallelize`), then allocate and initialise the local shards; with pipeline parallelism the model is
-  first pruned to this rank's stages and the schedule's stages are built last (``strategies/nd_pipeline.py``);
+  first pruned to this rank's stages and the schedule's stages are built last (``strategies/nd_pipeline.py``; the
+  model preparation steps are functions in ``strategies/nd_setup.py``);
 - each batch is sharded on the sequence for context parallelism (``batch_to_device``); the sampler splits data over
   the ``dp`` ranks only; after backward, gradients are synchronised (:func:`~lightning_llmopt.parallel.parallelize.
   sync_gradients`); clipping uses the global norm over all shards.
@@ -33,37 +34,17 @@ from typing_extensions import override
 from lightning_llmopt.parallel.context_parallel import shard_batch
 from lightning_llmopt.parallel.loss_scaler import DynamicLossScaler
 from lightning_llmopt.parallel.mesh import ParallelDims, positive_int
-from lightning_llmopt.parallel.parallelize import (
-    NDConfig,
-    Parallelized,
-    find_models,
-    materialize,
-    parallelize,
-    sync_gradients,
-)
-from lightning_llmopt.parallel.pipeline import (
-    PipelineConfig,
-    PipelineRunner,
-    prune_to_stages,
-    stage_modules,
-    validate_pipeline,
-)
-from lightning_llmopt.parallel.pipeline_tp import TPStageBoundary
-from lightning_llmopt.strategies.nd_pipeline import PipelineSteps, check_pipeline_combination, model_path
+from lightning_llmopt.parallel.parallelize import NDConfig, Parallelized, sync_gradients
+from lightning_llmopt.parallel.pipeline import PipelineConfig, PipelineRunner, prune_to_stages
+from lightning_llmopt.strategies.nd_pipeline import PipelineSteps, check_pipeline_combination
 from lightning_llmopt.strategies.nd_precision import NDPrecision
+from lightning_llmopt.strategies.nd_setup import parallelize_model, pipeline_runner, pipeline_split
+from lightning_llmopt.strategies.nd_setup import user_parallelized as _user_parallelized
 from lightning_llmopt.strategies.zero import ZeroStrategy
+from lightning_llmopt.strategies.zero_dcp import load_dcp_state, model_state
 from lightning_llmopt.strategies.zero_precision import ZeroPrecision
 
 __all__ = ["NDParallelStrategy", "NDPrecision"]
-
-
-def _user_parallelized(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters()) or any(
-        isinstance(m, FSDPModule) for m in module.modules()
-    )
 
 
 class NDParallelStrategy(PipelineSteps, ZeroStrategy):
@@ -264,22 +245,15 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
                                  "configure_model; the strategy splits it into stages")
             pipelined = self._split_pipeline(module)
         if not _user_parallelized(module):
-            device = torch.device("cpu") if self.nd_config.offload_parameters else self.root_device
-            if not any(t.is_meta for t in module.parameters()):
-                module.to(self.root_device)
             precision = str(getattr(self.precision_plugin, "precision", ""))
-            self.nd_config.param_dtype = torch.bfloat16 if precision == "bf16-mixed" else None
-            self.nd_config.reduce_dtype = self.reduce_dtype
-            self._parallel = parallelize(module, self._device_mesh, self.dims, self.nd_config)
-            materialize(module, device, self._device_mesh, self.dims, self._parallel.fsdp, self.root_device)
-        if pipelined is not None:
-            model, split = pipelined
-            pp_rank = self.dims.coordinates(self.global_rank)["pp"]
-            boundary = (
-                TPStageBoundary(self._device_mesh["tp"], self.nd_config.sequence_parallel) if self.dims.tp > 1 else None
+            self._parallel = parallelize_model(
+                module, self._device_mesh, self.dims, self.nd_config, precision, self.reduce_dtype, self.root_device
             )
-            self._pipeline = PipelineRunner(stage_modules(model, split, pp_rank), split, self.pipeline_config,
-                                            self._device_mesh["pp"].get_group(), self.root_device, boundary)
+        if pipelined is not None:
+            rank = self.dims.coordinates(self.global_rank)["pp"]  # this rank's pipeline coordinate
+            self._pipeline = pipeline_runner(
+                *pipelined, self._device_mesh, self.dims, self.nd_config, self.pipeline_config, rank, self.root_device
+            )
             self._pipeline_owner = module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -292,13 +266,7 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
     def _split_pipeline(self, module: nn.Module) -> tuple[nn.Module, Any]:
         """Validate (no collective) and keep only this rank's stages of the one decoder in ``module``."""
         assert self.dims is not None
-        models = find_models(module)
-        if len(models) != 1:
-            raise ValueError(f"pipeline_parallel ({self.dims.pp}) needs exactly one decoder in "
-                             f"{type(module).__name__}, found {len(models)}")
-        model = models[0]
-        split = validate_pipeline(model, self.pipeline_config)
-        self._pipeline_model = model_path(module, model)
+        model, split, self._pipeline_model = pipeline_split(module, self.pipeline_config)
         prune_to_stages(model, split, self.dims.coordinates(self.global_rank)["pp"])
         return model, split
 
@@ -403,29 +371,14 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
     @override
     def _model_state(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self.stage in (1, 2):
-            return dict(self.lightning_module.state_dict())
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(self.lightning_module)
+        return model_state(self.lightning_module, dcp=self.stage not in (1, 2))
 
     @override
     def _apply_loaded(self, state: dict[str, Any]) -> None:
         if self.stage in (1, 2):
             return super()._apply_loaded(state)
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        from lightning_llmopt.strategies.zero_checkpoint import from_bytes
-
-        module = self.lightning_module
-        assert module is not None
-        set_model_state_dict(module, state["model"])
-        if "optimizer" in state:
-            loaded = {
-                "state": state["optimizer"]["state"],
-                "param_groups": from_bytes(state["optimizer"]["param_groups"]),
-            }
-            set_optimizer_state_dict(module, self.optimizers[0], loaded)
+        assert self.lightning_module is not None
+        load_dcp_state(self.lightning_module, self.optimizers, state)
         if "loss_scaler" in state and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         return None

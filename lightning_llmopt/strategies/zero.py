@@ -9,7 +9,8 @@ A thin adapter: it subclasses Lightning's public ``DDPStrategy`` for launchers (
 - Stage 3: the model is built on the meta device and sharded with FSDP2 (:mod:`.zero_fsdp`).
 - Precision, loss scaling and clipping: :class:`.zero_precision.ZeroPrecision`.
 - Checkpoints: sharded and atomic through :mod:`lightning_llmopt.parallel.checkpoint` on every rank, in the
-  stage-independent layout of :mod:`.zero_checkpoint`; they reshard across world sizes and stages.
+  stage-independent layout of :mod:`.zero_checkpoint` (DCP glue: :mod:`.zero_dcp`); they reshard across world sizes
+  and stages.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ from lightning_llmopt.parallel.loss_scaler import DynamicLossScaler
 from lightning_llmopt.parallel.zero import ZeroOptimizer, apply_zero
 from lightning_llmopt.strategies import zero_checkpoint as zc
 from lightning_llmopt.strategies import zero_fsdp
+from lightning_llmopt.strategies.zero_dcp import (
+    load_dcp_state,
+    model_state,
+    optimizer_entry,
+    optimizer_template,
+    resolve_checkpoint,
+)
 from lightning_llmopt.strategies.zero_precision import ZeroPrecision
 
 __all__ = ["ZeroStrategy"]
@@ -271,26 +279,7 @@ class ZeroStrategy(DDPStrategy):
 
     def _model_state(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self.stage == 3:
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-            return get_model_state_dict(self.lightning_module)
-        return dict(self.lightning_module.state_dict())
-
-    def _optimizer_entry(self) -> dict[str, Any] | None:
-        if not self.optimizers:
-            return None
-        if len(self.optimizers) > 1:
-            raise ValueError(f"ZeroStrategy checkpoints one optimizer, configure_optimizers returned "
-                             f"{len(self.optimizers)}")
-        opt = self.optimizers[0]
-        if isinstance(opt, ZeroOptimizer):
-            return zc.zero_optimizer_state(opt)
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        assert self.lightning_module is not None
-        sd = get_optimizer_state_dict(self.lightning_module, opt)
-        return {"state": sd["state"], "param_groups": zc.to_bytes(sd["param_groups"])}
+        return model_state(self.lightning_module, dcp=self.stage == 3)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -304,7 +293,7 @@ class ZeroStrategy(DDPStrategy):
         lightning = {k: zc.to_bytes(v) for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         state: dict[str, Any] = {"model": self._model_state(), "lightning": lightning,
                                  "rng": {f"rank{self.global_rank}": zc.rng_state()}}
-        optimizer = self._optimizer_entry()
+        optimizer = optimizer_entry(self.lightning_module, self.optimizers)
         if optimizer is not None:
             state["optimizer"] = optimizer
         if self.loss_scaler is not None:
@@ -333,7 +322,7 @@ class ZeroStrategy(DDPStrategy):
         """
         from lightning_llmopt.parallel.checkpoint import load_checkpoint
 
-        folder = self._resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))))
+        folder = resolve_checkpoint(Path(self.broadcast(str(checkpoint_path))), self.is_global_zero)
         metadata = zc.read_metadata(folder)
         state: dict[str, Any] = {"model": self._model_state(),
                                  "lightning": {k: b"" for k in zc.saved_top_keys(metadata, "lightning")}}
@@ -341,7 +330,7 @@ class ZeroStrategy(DDPStrategy):
         same_world = len(saved_ranks) == self.world_size
         if same_world:
             state["rng"] = {f"rank{self.global_rank}": b""}
-        opt_template = self._optimizer_template(metadata)
+        opt_template = optimizer_template(self.lightning_module, self.optimizers, metadata)
         if opt_template is not None:
             state["optimizer"] = opt_template
         scaler = self.loss_scaler
@@ -354,53 +343,11 @@ class ZeroStrategy(DDPStrategy):
         checkpoint["state_dict"] = {}
         return checkpoint
 
-    def _resolve_checkpoint(self, path: Path) -> Path:
-        """Rank 0 picks and verifies the folder (a ``step-N`` folder, or the newest complete one under a root)."""
-        from lightning_llmopt.parallel.checkpoint import IncompleteCheckpointError, latest_checkpoint, verify_checkpoint
-
-        folder, error = str(path), None
-        if self.is_global_zero:
-            try:
-                if path.name.startswith("step-"):
-                    verify_checkpoint(path)
-                else:
-                    newest = latest_checkpoint(path)
-                    if newest is None:
-                        raise IncompleteCheckpointError(f"no complete checkpoint under {path}")
-                    folder = str(newest)
-            except (IncompleteCheckpointError, FileNotFoundError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        folder, error = zc.broadcast_object((folder, error))
-        if error is not None:
-            raise IncompleteCheckpointError(f"cannot resume from {path}: {error}")
-        return Path(folder)
-
-    def _optimizer_template(self, metadata: Any) -> dict[str, Any] | None:
-        if not self.optimizers or not any(k.startswith("optimizer.") for k in metadata.state_dict_metadata):
-            return None
-        opt = self.optimizers[0]
-        if isinstance(opt, ZeroOptimizer):
-            return zc.zero_optimizer_template(opt, metadata)
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        assert self.lightning_module is not None
-        sd: Any = get_optimizer_state_dict(self.lightning_module, opt)  # creates the (zero) state to load into
-        saved = {k for k in metadata.state_dict_metadata if k.startswith("optimizer.state.")}
-        st = {fqn: {k: v for k, v in s.items() if f"optimizer.state.{fqn}.{k}" in saved}
-              for fqn, s in sd["state"].items()}
-        return {"state": st, "param_groups": b""}
-
     def _apply_loaded(self, state: dict[str, Any]) -> None:
         assert self.lightning_module is not None
         module = self.lightning_module
         if self.stage == 3:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-            set_model_state_dict(module, state["model"])
-            if "optimizer" in state:
-                loaded = {"state": state["optimizer"]["state"],
-                          "param_groups": zc.from_bytes(state["optimizer"]["param_groups"])}
-                set_optimizer_state_dict(module, self.optimizers[0], loaded)
+            load_dcp_state(module, self.optimizers, state)
         elif "optimizer" in state:
             opt = self.optimizers[0]
             assert isinstance(opt, ZeroOptimizer)
