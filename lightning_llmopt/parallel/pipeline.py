@@ -15,9 +15,10 @@ Framework-free (no Lightning). Steps:
    :meth:`PipelineRunner.train_step` splits a batch into ``M`` micro-batches, runs forward and backward with the loss
    on the last stage (each micro-batch loss divided by ``M``, so gradients are those of the batch mean) and returns
    the mean loss on every pipeline rank; :meth:`PipelineRunner.forward` runs a forward-only pass and returns the
-   last stage's output on every pipeline rank (validation). With tensor parallelism a
-   :class:`~lightning_llmopt.parallel.pipeline_tp.TPStageBoundary` keeps what crosses between stages plain tensors
-   (sequence-sharded under sequence parallelism) and rebuilds the vocabulary-sharded logits for the loss.
+   last stage's output on every pipeline rank (validation; :mod:`~lightning_llmopt.parallel.pipeline_forward`). With
+   tensor parallelism a :class:`~lightning_llmopt.parallel.pipeline_tp.TPStageBoundary` keeps what crosses between
+   stages plain tensors (sequence-sharded under sequence parallelism) and rebuilds the vocabulary-sharded logits for
+   the loss.
 
 Schedules (``torch.distributed.pipelining``; bubbles in docs/pipeline.md): ``gpipe`` (all forwards, then all
 backwards; Huang et al., arXiv 1811.06965), ``1f1b`` (PipeDream-flush: after ``P - s - 1`` warm-up forwards stage
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_llmopt.parallel.pipeline_forward import PipelineForwardMixin
 from lightning_llmopt.parallel.pipeline_split import StageSplit, split_stages
 from lightning_llmopt.parallel.pipeline_tp import TPStageBoundary
 
@@ -264,7 +266,7 @@ def pipeline_grad_norm(params: list[nn.Parameter], pp: int) -> Tensor:
 LossFn = Callable[[Any, Tensor], Tensor]
 
 
-class PipelineRunner:
+class PipelineRunner(PipelineForwardMixin):
     """Stages and schedule of one pipeline rank.
 
     Arguments:
@@ -295,17 +297,6 @@ class PipelineRunner:
         self._stages: list[Any] = []
         self._loss_fn: LossFn | None = None
         self._real_loss = False  # inside the schedule's own loss call (not its metadata inference)
-
-    @property
-    def has_first(self) -> bool:
-        return 0 in self.modules
-
-    @property
-    def has_last(self) -> bool:
-        return self.split.num_stages - 1 in self.modules
-
-    def _global(self, pp_rank: int) -> int:
-        return dist.get_global_rank(self.group, pp_rank)
 
     def _scaled_loss(self, output: Any, rows: Tensor) -> Tensor:
         assert self._loss_fn is not None and self.config.microbatches is not None
@@ -391,58 +382,3 @@ class PipelineRunner:
             mean = torch.zeros((), dtype=torch.float32, device=tokens.device)
         dist.broadcast(mean, src=self._global(self.split.ranks[-1]), group=self.group)
         return mean
-
-    # ------------------------------------------------------------------ forward only
-    def _send(self, t: Tensor, dst: int) -> None:
-        header = torch.tensor([t.ndim, *t.shape, *([0] * (6 - t.ndim)), _DTYPES.index(t.dtype)], dtype=torch.int64)
-        dist.send(header.to(self.device), self._global(dst), group=self.group)
-        dist.send(t.contiguous(), self._global(dst), group=self.group)
-
-    def _recv(self, src: int) -> Tensor:
-        header = torch.empty(8, dtype=torch.int64, device=self.device)
-        dist.recv(header, self._global(src), group=self.group)
-        ndim, values = int(header[0]), header.tolist()
-        t = torch.empty(values[1 : 1 + ndim], dtype=_DTYPES[values[7]], device=self.device)
-        dist.recv(t, self._global(src), group=self.group)
-        return t
-
-    @torch.no_grad()
-    def forward(self, batch: dict[str, Tensor]) -> Any:
-        """Forward-only pass of the whole batch through every stage; the last stage's output (e.g. logits
-        ``(B, T, vocab)``, a vocabulary-sharded DTensor on this rank's ``"tp"`` mesh under tensor parallelism with
-        the vocab-parallel loss) on every pipeline rank."""
-        kwargs = {k: batch[k] for k in ("positions", "doc_ids") if isinstance(batch.get(k), Tensor)}
-        ranks = self.split.ranks
-        h: Tensor | None = None
-        for s in range(self.split.num_stages):
-            if ranks[s] != self.pp_rank:
-                continue
-            if s == 0:
-                x = batch["input_ids"]
-            else:
-                x = h if ranks[s - 1] == self.pp_rank and h is not None else self._recv(ranks[s - 1])
-            h = self.modules[s](x, **kwargs)
-            if s + 1 < self.split.num_stages and ranks[s + 1] != self.pp_rank:
-                self._send(h, ranks[s + 1])
-        last = ranks[-1]
-        # header: ndim, 6 sizes, dtype, layout (TPStageBoundary.encode: 0 plain, else a DTensor over "tp")
-        if self.pp_rank == last:
-            assert h is not None
-            out = h.contiguous()
-            layout = self.boundary.encode() if self.boundary is not None else 0
-            header = torch.tensor(
-                [out.ndim, *out.shape, *([0] * (6 - out.ndim)), _DTYPES.index(out.dtype), layout],
-                dtype=torch.int64,
-                device=self.device,
-            )
-        else:
-            header = torch.empty(9, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, self._global(last), group=self.group)
-        values = header.tolist()
-        if self.pp_rank != last:
-            out = torch.empty(values[1 : 1 + values[0]], dtype=_DTYPES[values[7]], device=self.device)
-        dist.broadcast(out, self._global(last), group=self.group)
-        return self.boundary.decode(out, values[8]) if self.boundary is not None else out
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
