@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -77,35 +76,6 @@ def op(w: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
     if "w" in w:
         return lambda x: F.linear(x, w["w"])
     return lambda x: quant_matmul(x, w["packed"], w["scales"], None, bits=w["bits"])
-
-
-def graph_ms(calls: list[Callable[[], Any]], reps: int = 20) -> float:
-    """Median GPU time of one call: the calls (over distinct weights) captured in one CUDA graph, replayed."""
-    for c in calls:  # warm-up outside capture: compilation and autotuning
-        c()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    del graph
-    return statistics.median(times)
 
 
 # --------------------------------------------------------------------------- families
@@ -209,7 +179,7 @@ def family_gemm(device: str, smoke: bool, copy_budget: int) -> tuple[list[dict],
                     "copies": copies,
                 }
                 if device == "cuda":
-                    entry["graph_us"] = graph_ms(calls) * 1e3
+                    entry["graph_us"] = records.graph_ms(calls) * 1e3
                     entry["eager_us"] = records.timeit_median(calls[0], warmup=5, repeats=30) * 1e3
                     entry["graph_tb_per_s"] = entry["weight_bytes"] / (entry["graph_us"] * 1e-6) / 1e12
                 else:
@@ -274,7 +244,7 @@ def family_decode(device: str, smoke: bool) -> list[dict[str, Any]]:
                 "weight_bytes": nbytes,
             }
             if device == "cuda":
-                ms = graph_ms([step], reps=10)
+                ms = records.graph_ms([step], reps=10)
                 entry.update(step_ms=ms, tokens_per_s=batch * 1e3 / ms, tb_per_s=nbytes / (ms * 1e-3) / 1e12)
                 print(
                     f"decode {variant:10s} batch {batch:2d}: {ms:.3f} ms/step, {entry['tokens_per_s']:.0f} tok/s, "

@@ -221,3 +221,36 @@ def timeit_median(fn: Callable[[], Any], warmup: int = 10, repeats: int = 50) ->
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def graph_ms(calls: list[Callable[[], Any]], reps: int = 20) -> float:
+    """Median GPU time of one call in milliseconds: the calls captured in one CUDA graph and replayed, timed with CUDA
+    events (per replay, divided by the number of calls). Host time (Python, launches) is left out, as inside an
+    engine's captured decode step."""
+    import torch
+
+    for c in calls:  # warm-up outside capture: compilation and autotuning
+        c()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
+    return statistics.median(times)

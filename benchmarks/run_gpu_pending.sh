@@ -4,9 +4,10 @@
 #      backend, 2:4 conversion, kernels);
 #   2. speculative decoding (issue 9) now that verify and draft steps replay CUDA graphs;
 #   3. batch-1 decode of llama2-7b incl. int8/int4 in the engine (issues 8 and 10);
-#   4. continuous vs static batching now that mixed steps keep their decodes in graphs (issue 8).
+#   4. continuous vs static batching now that mixed steps keep their decodes in graphs (issue 8);
+#   5. paged decode attention timed as CUDA-graph replays beside SDPA (issue 8's 256 MB goal).
 # Results and logs go to $OUT when it is set. About 12 minutes; pass step names to run a subset:
-#   bash benchmarks/run_gpu_pending.sh [tests] [spec] [decode] [serve]
+#   bash benchmarks/run_gpu_pending.sh [tests] [spec] [decode] [serve] [kernel]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
@@ -17,13 +18,13 @@ copy_out() {
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     cp benchmarks/results/speculative-*.json benchmarks/results/decode-batch1-*.json \
-      benchmarks/results/decode-serve-*.json "$OUT/" 2>/dev/null || true
+      benchmarks/results/decode-serve-*.json benchmarks/results/decode-kernel-*.json "$OUT/" 2>/dev/null || true
     cp "$LOG" "$OUT/pending.log" 2>/dev/null || true
   fi
 }
 trap copy_out EXIT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests spec decode serve)
+[ ${#steps[@]} -eq 0 ] && steps=(tests spec decode serve kernel)
 source "benchmarks/gpu_step.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 for s in "${steps[@]}"; do
@@ -33,6 +34,7 @@ for s in "${steps[@]}"; do
     spec) step 300 python3 benchmarks/bench_speculative.py --steps 1200 ;;
     decode) step 150 python3 benchmarks/bench_decode.py --family decode ;;
     serve) step 180 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
+    kernel) step 120 python3 benchmarks/bench_decode.py --family kernel ;;
     *) echo "unknown step $s" | tee -a "$LOG"; status=1 ;;
   esac
 done
