@@ -464,7 +464,7 @@ def _workload(n: int, vocab: int, prompt_range: tuple[int, int], out: str, seed:
     return reqs
 
 
-def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int) -> dict[str, Any]:
+def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int, admission_batch: int = 1) -> dict[str, Any]:
     engine = LLMEngine(
         model,
         num_blocks=num_blocks,
@@ -472,6 +472,7 @@ def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int) -> dict[st
         max_num_batched_tokens=4096,
         policy=policy,
         enable_prefix_caching=False,
+        admission_batch=admission_batch,
     )
     # warm-up: decode batches shrinking from 64 to 1 (every graph size), then the whole workload once, so that
     # compilation, autotuning and first allocations of every step shape stay out of the timed run (with only the
@@ -487,7 +488,7 @@ def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int) -> dict[st
     engine = None
     _free()
     return {
-        "variant": f"ours-{policy}",
+        "variant": f"ours-{policy}" + (f"-admit{admission_batch}" if admission_batch > 1 else ""),
         "wall_s": wall,
         "throughput_tok_s": useful / wall,
         "ttft_mean_s": s["ttft_mean_s"],
@@ -526,6 +527,7 @@ def family_serve(smoke: bool, requests: int, with_hf: bool) -> list[dict]:
         reqs = _workload(8 if smoke else requests, vocab, prompt_range, out, seed=1)
         num_blocks = 64 * math.ceil((prompt_range[1] + int(out.split("-")[-1])) / 16) + 1
         results = [_serve_ours(model, reqs, "continuous", num_blocks)]
+        results.append(_serve_ours(model, reqs, "continuous", num_blocks, admission_batch=2 if smoke else 8))
         peers = [_serve_ours(model, reqs, "static", num_blocks)]
         if with_hf and out == outs[0]:
             peers.append(_serve_hf(hf, reqs, 64))

@@ -33,7 +33,7 @@ for s in "${steps[@]}"; do
       tests/kernels/test_grouped_gemm.py tests/kernels/test_paged_attention.py tests/kernels/test_quant_matmul.py ;;
     spec) step 300 python3 benchmarks/bench_speculative.py --steps 1200 ;;
     decode) step 150 python3 benchmarks/bench_decode.py --family decode ;;
-    serve) step 180 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
+    serve) step 240 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
     kernel) step 120 python3 benchmarks/bench_decode.py --family kernel ;;
     *) echo "unknown step $s" | tee -a "$LOG"; status=1 ;;
   esac

@@ -33,6 +33,9 @@ class EngineConfig:
         attention_backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"reference"``.
         fused_kernels: fused Triton norm/RoPE/SiLU kernels in the forward pass (default: on CUDA with Triton).
         policy: ``"continuous"`` batching, or ``"static"`` (a new batch only once the last one finished).
+        admission_batch: continuous batching admits waiting requests while others run only once this many slots
+            are free (or as many as are waiting): new prompts are prefilled together in one step instead of one per
+            step, each such step costing an eager prefill pass beside the graphed decodes. ``1`` admits at once.
         seed: seeds the engine's generator (requests without their own seed draw from it).
         speculative: a :class:`~lightning_llmopt.inference.speculative.SpeculativeConfig` to decode speculatively
             (draft model, prompt lookup or quantized self-drafting), or ``None``.
@@ -52,14 +55,17 @@ class EngineConfig:
     attention_backend: str = "auto"
     fused_kernels: bool | None = None
     policy: str = "continuous"
+    admission_batch: int = 1
     seed: int = 0
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "admission_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        if self.admission_batch > self.max_num_seqs:
+            raise ValueError(f"admission_batch ({self.admission_batch}) must be <= max_num_seqs ({self.max_num_seqs})")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks ({self.num_blocks}) must be >= 2 (block 0 is reserved)")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -14,7 +14,8 @@ Every step, :meth:`Scheduler.schedule`:
    yields logits). Cache-aware admission (after SGLang): a request sharing at least a block more with a prompt
    admitted in the same step than the cache holds waits one step (once), and then hits the blocks that step
    computed instead of computing them a second time. ``policy="static"`` admits a whole batch only when nothing
-   is running (the baseline that continuous batching is measured against).
+   is running (the baseline that continuous batching is measured against); with ``admission_batch > 1``,
+   continuous batching admits while others run only once that many slots are free (or all waiting fit).
 
 :meth:`Scheduler.complete` then advances the sequences, inserts their newly filled blocks into the prefix cache, and
 (sliding-window models) releases blocks that left the window.
@@ -79,6 +80,8 @@ class Scheduler:
         max_num_batched_tokens: tokens computed per step at most (the budget).
         policy: ``"continuous"`` or ``"static"``.
         window: the model's sliding window (blocks left of it are released), or ``None``.
+        admission_batch: ``"continuous"``: while sequences run, admit waiting ones only once this many slots are
+            free, or as many as are waiting (their prefills then share a step).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "continuous",
         window: int | None = None,
+        admission_batch: int = 1,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy ({policy!r}) must be one of {POLICIES}")
@@ -98,6 +102,7 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.policy = policy
         self.window = window
+        self.admission_batch = admission_batch
         self.waiting: list[Sequence] = []  # sorted by priority
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -195,6 +200,8 @@ class Scheduler:
         static = self.policy == "static"
         if static and self.running:
             return
+        if self.running and self.max_num_seqs - len(self.running) < min(self.admission_batch, len(self.waiting)):
+            return  # wait until a group of slots is free: their prefills share one step
         admitted: list[Sequence] = []
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs and (budget > 0 or static):

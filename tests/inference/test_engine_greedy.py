@@ -65,6 +65,33 @@ def test_preemption_by_recompute(model_factory, reference, prompts_factory):
     _all_blocks_back(engine)
 
 
+def test_admission_batch_groups_prefills(model_factory, reference, prompts_factory):
+    """``admission_batch=3`` with 4 slots and 9 requests: while sequences run, waiting ones are admitted only once
+    3 slots are free (or all that wait fit), so fewer steps carry a prefill than with ``admission_batch=1``; output
+    stays token-identical and every block comes back."""
+    model = model_factory(seed=5)
+    prompts = prompts_factory([9, 3, 14, 6, 11, 2, 17, 5, 8], 320, seed=6)
+    max_tokens = [3, 17, 6, 12, 2, 9, 4, 15, 7]
+    prefill_steps = {}
+    for group in (1, 3):
+        engine = LLMEngine(model, block_size=4, num_blocks=128, max_num_seqs=4, admission_batch=group)
+        seen = []
+        schedule = engine.scheduler.schedule
+
+        def spy(schedule=schedule, seen=seen):
+            out = schedule()  # a step with prefill work: a prompt chunk, or the only token of a 1-token prompt
+            seen.append(any(w.num_tokens > 1 or w.seq.num_output == 0 for w in out.work))
+            return out
+
+        engine.scheduler.schedule = spy
+        _run(engine, model, prompts, reference, max_tokens)
+        prefill_steps[group] = sum(seen)
+        _all_blocks_back(engine)
+    assert prefill_steps[3] < prefill_steps[1], prefill_steps
+    with pytest.raises(ValueError, match=r"admission_batch \(5\) must be <= max_num_seqs \(4\)"):
+        LLMEngine(model, block_size=4, num_blocks=16, max_num_seqs=4, admission_batch=5)
+
+
 def test_preemption_with_prefix_cache(model_factory, reference, prompts_factory):
     model = model_factory(seed=2)
     shared = prompts_factory([13], 320, seed=4)[0]
