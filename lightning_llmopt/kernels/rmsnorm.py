@@ -6,7 +6,11 @@
 - :class:`RMSNormFunction` (``torch.autograd.Function``) over the two ops; it saves ``x`` and the fp32 ``1/rms`` of
   each row (4 bytes a row) instead of the fp32 intermediates eager PyTorch keeps;
 - :func:`rms_norm`, which picks the kernels or :func:`~lightning_llmopt.kernels.fused_ref.rms_norm_ref`
-  (backend switch: :mod:`~lightning_llmopt.kernels.fused_common`).
+  (backend switch: :mod:`~lightning_llmopt.kernels.fused_common`);
+- :func:`add_rms_norm` (:class:`AddRMSNormFunction`): ``h = x + r`` and the norm of ``h`` in one pass, and in
+  backward the residual stream's gradient added into the norm's input gradient in the same pass (a pre-norm block's
+  ``h = x + attn(...)`` followed by ``ffn_norm(h)``). Under ``torch.compile`` it is the plain add and
+  :func:`rms_norm`, which the compiler fuses itself.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import Tensor
 from lightning_llmopt.kernels.fused_common import KERNEL_DTYPES, resolve_backend
 from lightning_llmopt.kernels.fused_ref import rms_norm_ref
 
-__all__ = ["RMSNormFunction", "rms_norm"]
+__all__ = ["AddRMSNormFunction", "RMSNormFunction", "add_rms_norm", "rms_norm"]
 
 
 @torch.library.custom_op("lightning_llmopt::rms_norm_fwd", mutates_args=())
@@ -107,3 +111,65 @@ def rms_norm(
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     return RMSNormFunction.apply(x2, w, float(eps), out_dtype).view(*x.shape[:-1], d)
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """``(h, y)`` with ``h = x + r`` (the promoted dtype) and ``y = rms_norm(h)``; ``x``, ``r`` ``(N, D)`` with a
+    contiguous last dim. Saves ``h`` and the fp32 ``1/rms`` of each row, as :class:`RMSNormFunction` saves ``x``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, r: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype):  # type: ignore
+        from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_fwd_launch
+
+        y, rstd, h = rms_norm_fwd_launch(x, weight, eps, out_dtype, residual=r)  # type: ignore[misc]
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.dtypes = (x.dtype, r.dtype)
+        return h, y
+
+    @staticmethod
+    def backward(ctx, dh: Tensor | None, dy: Tensor):  # type: ignore[override]
+        from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_bwd_launch
+
+        h, weight, rstd = ctx.saved_tensors
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        if dh is not None and dh.stride(-1) != 1:
+            dh = dh.contiguous()
+        dh_total, dw = rms_norm_bwd_launch(dy, h, weight, rstd, dres=dh)
+        x_dtype, r_dtype = ctx.dtypes
+        return dh_total.to(x_dtype), dh_total.to(r_dtype), dw, None, None
+
+
+def add_rms_norm(
+    x: Tensor,
+    r: Tensor,
+    weight: Tensor,
+    eps: float = 1e-5,
+    *,
+    out_dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(h, rms_norm(h, weight, eps, out_dtype=out_dtype))`` with ``h = x + r``, in one pass each way.
+
+    Shapes: ``x``, ``r`` ``(..., D)``, ``weight`` ``(D,)``; ``h`` in the promotion of x's and r's dtypes (an fp32
+    residual stream plus a bf16 branch output gives fp32, as ``x + r`` does), ``y`` as :func:`rms_norm` gives it.
+    Gradients equal those of ``h = x + r; y = rms_norm(h)`` (the add's gradient goes to both inputs in their dtypes).
+    """
+    if x.shape != r.shape:
+        raise ValueError(f"x {tuple(x.shape)} and r {tuple(r.shape)} must have the same shape")
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} must be ({d},), the last dim of x {tuple(x.shape)}")
+    h_dtype = torch.promote_types(x.dtype, r.dtype)
+    out_dtype = out_dtype or torch.promote_types(h_dtype, weight.dtype)
+    if (
+        torch.compiler.is_compiling()
+        or resolve_backend(backend, x.device, "add_rms_norm") == "reference"
+        or any(t not in KERNEL_DTYPES for t in (x.dtype, r.dtype, weight.dtype, out_dtype))
+    ):
+        h = x + r
+        return h, rms_norm(h, weight, eps, out_dtype=out_dtype, backend=backend)
+    x2, r2 = (t.reshape(-1, d) for t in (x, r))
+    x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    h, y = AddRMSNormFunction.apply(x2, r2, w, float(eps), out_dtype)
+    return h.view(*x.shape[:-1], d), y.view(*x.shape[:-1], d)

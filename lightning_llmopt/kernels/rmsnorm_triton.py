@@ -6,6 +6,10 @@ Forward, ``ROWS`` rows per program, each row read once:
 2. ``y = round_to_x_dtype(x * r) * w``, stored in the output dtype (which may be narrower than x's: under autocast the
    fp32 residual stream is normalized straight into the bf16 input of the next matmul); ``r`` is saved, 4 bytes a row.
 
+With a residual (``HAS_RES``) the forward first stores ``h = x + r`` (one read of each, one write) and normalizes
+``h``; the backward then adds the residual stream's gradient into ``dx`` (``HAS_DRES``): the add costs no pass of
+its own either way.
+
 Backward, a persistent grid of programs that each own a contiguous range of rows:
 
 1. with ``xn = x r`` and ``g = dy * w``: ``dx = r (g - xn * mean(g * xn))``;
@@ -27,7 +31,24 @@ ensure_interpreted_stdlib()  # before the kernels below are decorated
 
 
 @triton.jit
-def _rms_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_rows, D, eps, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+def _rms_fwd_kernel(
+    X,
+    W,
+    Y,
+    RSTD,
+    R,
+    H,
+    stride_x,
+    stride_y,
+    stride_r,
+    stride_h,
+    n_rows,
+    D,
+    eps,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -36,9 +57,14 @@ def _rms_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_rows, D, eps, BLOCK_D: 
     mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # h = x + r, stored in h's dtype, and normalized as stored (the unfused add, then the norm)
+        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(H.dtype.element_ty)
+        tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+        x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    xn = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    xn = (x * rstd[:, None]).to(H.dtype.element_ty if HAS_RES else X.dtype.element_ty).to(tl.float32)
     tl.store(Y + rows64[:, None] * stride_y + cols[None, :], (xn * w[None, :]).to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=rmask)
 
@@ -51,14 +77,17 @@ def _rms_bwd_kernel(
     RSTD,
     DX,
     DW_PART,
+    DRES,
     stride_dy,
     stride_x,
     stride_dx,
+    stride_dres,
     n_rows,
     D,
     rows_per_prog,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
+    HAS_DRES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -79,6 +108,8 @@ def _rms_bwd_kernel(
         g = dy * w[None, :]
         c = tl.sum(g * xn, axis=1) / D
         dx = rstd[:, None] * (g - xn * c[:, None])
+        if HAS_DRES:  # the gradient reaching the norm's input along the residual stream
+            dx += tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw += tl.sum(dy * xn.to(X.dtype.element_ty).to(tl.float32), axis=0)
     tl.store(DW_PART + pid.to(tl.int64) * D + cols, dw, mask=cmask)
@@ -103,20 +134,33 @@ def _tuned_kernel(which: str, block_d: int):  # type: ignore[no-untyped-def]
     return _tuned[key]
 
 
-def rms_norm_fwd_launch(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``x`` ``(N, D)`` with a contiguous last dim -> ``y`` ``(N, D)`` in ``out_dtype`` and ``rstd`` ``(N,)`` fp32."""
+def rms_norm_fwd_launch(
+    x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype, residual: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``x`` ``(N, D)`` with a contiguous last dim -> ``y`` ``(N, D)`` in ``out_dtype`` and ``rstd`` ``(N,)`` fp32.
+
+    With ``residual`` ``(N, D)``: the norm of ``h = x + residual`` (in the promoted dtype), and ``h`` is returned
+    too: ``(y, rstd, h)``."""
     n, d = x.shape
     y = torch.empty((n, d), device=x.device, dtype=out_dtype)
     rstd = torch.empty((n,), device=x.device, dtype=torch.float32)
+    h = (
+        None
+        if residual is None
+        else torch.empty((n, d), device=x.device, dtype=torch.promote_types(x.dtype, residual.dtype))
+    )
     if n == 0:
-        return y, rstd
+        return (y, rstd) if h is None else (y, rstd, h)  # type: ignore[return-value]
     block_d = max(16, next_pow2(d))
-    args = (x, weight, y, rstd, x.stride(0), y.stride(0), n, d, eps)
+    r = x if residual is None else residual
+    hh = x if h is None else h
+    args = (x, weight, y, rstd, r, hh, x.stride(0), y.stride(0), r.stride(0), hh.stride(0), n, d, eps)
+    consts = dict(BLOCK_D=block_d, HAS_RES=h is not None)
     if use_interpreter(x):
-        _rms_fwd_kernel[(triton.cdiv(n, 2),)](*args, BLOCK_D=block_d, ROWS=2)
+        _rms_fwd_kernel[(triton.cdiv(n, 2),)](*args, ROWS=2, **consts)
     else:
-        _tuned_kernel("fwd", block_d)[lambda meta: (triton.cdiv(n, meta["ROWS"]),)](*args, BLOCK_D=block_d)
-    return y, rstd
+        _tuned_kernel("fwd", block_d)[lambda meta: (triton.cdiv(n, meta["ROWS"]),)](*args, **consts)
+    return (y, rstd) if h is None else (y, rstd, h)  # type: ignore[return-value]
 
 
 def _num_programs(x: Tensor, n: int) -> int:
@@ -126,8 +170,11 @@ def _num_programs(x: Tensor, n: int) -> int:
     return max(1, min(n, 4 * sms))
 
 
-def rms_norm_bwd_launch(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    """Gradients ``dx`` (like ``x``) and ``dw`` (like ``weight``) from ``dy`` ``(N, D)``."""
+def rms_norm_bwd_launch(
+    dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dres: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Gradients ``dx`` (like ``x``) and ``dw`` (like ``weight``) from ``dy`` ``(N, D)``; ``dres`` ``(N, D)``, the
+    gradient ``x`` gets from elsewhere (the residual stream), is added into ``dx``."""
     n, d = x.shape
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if n == 0:
@@ -137,11 +184,13 @@ def rms_norm_bwd_launch(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> 
     rows_per_prog = triton.cdiv(n, progs)
     progs = triton.cdiv(n, rows_per_prog)
     parts = torch.empty((progs, d), device=x.device, dtype=torch.float32)
-    args = (dy, x, weight, rstd, dx, parts, dy.stride(0), x.stride(0), dx.stride(0), n, d, rows_per_prog)
+    dr = dy if dres is None else dres
+    args = (dy, x, weight, rstd, dx, parts, dr, dy.stride(0), x.stride(0), dx.stride(0), dr.stride(0), n, d)
+    consts = dict(BLOCK_D=block_d, HAS_DRES=dres is not None)
     if use_interpreter(x):
-        _rms_bwd_kernel[(progs,)](*args, BLOCK_D=block_d, ROWS=2)
+        _rms_bwd_kernel[(progs,)](*args, rows_per_prog, ROWS=2, **consts)
     else:
-        _tuned_kernel("bwd", block_d)[(progs,)](*args, BLOCK_D=block_d)
+        _tuned_kernel("bwd", block_d)[(progs,)](*args, rows_per_prog, **consts)
     return dx, parts.sum(0).to(weight.dtype)
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_llmopt.kernels.fused_common import autocast_dtype
-from lightning_llmopt.kernels.rmsnorm import rms_norm
+from lightning_llmopt.kernels.rmsnorm import add_rms_norm, rms_norm
 from lightning_llmopt.models.llama import RMSNorm
 
 __all__ = ["FusedRMSNorm"]
@@ -44,6 +44,13 @@ class FusedRMSNorm(RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
         out_dtype = autocast_dtype(x.device.type) if self.cast_to_autocast else None
         return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype, backend=self.backend)
+
+    def forward_add(self, x: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+        """``(h, self(h))`` with ``h = x + r``, in one pass each way (:func:`~lightning_llmopt.kernels.rmsnorm.
+        add_rms_norm`): the residual add of a pre-norm block and the norm after it. ``TransformerBlock`` uses it for
+        its ``ffn_norm``."""
+        out_dtype = autocast_dtype(x.device.type) if self.cast_to_autocast else None
+        return add_rms_norm(x, r, self.weight, self.eps, out_dtype=out_dtype, backend=self.backend)
 
     @classmethod
     def from_module(cls, module: Any, *, cast_to_autocast: bool = True, backend: str | None = None) -> FusedRMSNorm:

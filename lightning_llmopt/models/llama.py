@@ -102,8 +102,14 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask,
                 kv_cache: KVCache | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, positions, mask, kv_cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), rope, positions, mask, kv_cache)
+        add_norm = getattr(self.ffn_norm, "forward_add", None)  # a fused norm: the residual add in the same pass
+        if add_norm is not None:
+            h, normed = add_norm(x, a)
+        else:
+            h = x + a
+            normed = self.ffn_norm(h)
+        return h + self.feed_forward(normed)
 
 
 class Llama(nn.Module):

@@ -126,3 +126,56 @@ def test_custom_ops_fake_and_compile():
     traced = _run(torch.compile(fn, backend="aot_eager", fullgraph=True), [x, w], dy)
     for a, b in zip(traced, eager, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def _add_norm_ref(x, r, w, out_dtype, upcast):  # type: ignore[no-untyped-def]
+    h = x + r  # PyTorch's add (the promoted dtype)
+    return h, rms_norm_ref(h, w, 1e-5, out_dtype=out_dtype, upcast=upcast)
+
+
+@pytest.mark.parametrize(
+    "shape, x_dtype, r_dtype, out_dtype",
+    [
+        ((1, 64), torch.float32, torch.float32, None),
+        ((17, 80), torch.float32, torch.float16, torch.float16),  # fp32 residual + half branch, half out (autocast)
+        ((3, 7, 113), torch.float16, torch.float16, None),  # odd D, 3-D
+        ((2, 5, 256), torch.float32, torch.float32, torch.float16),
+    ],
+)
+def test_add_rms_norm_matches_float64_reference(shape, x_dtype, r_dtype, out_dtype):
+    """``add_rms_norm``: ``h`` equals PyTorch's ``x + r`` bit for bit; ``y`` and the gradients of ``x``, ``r`` and
+    the weight (from a gradient on both ``h`` and ``y``) follow the derived rule against fp64."""
+    from lightning_llmopt.kernels.rmsnorm import add_rms_norm
+
+    g = torch.Generator().manual_seed(sum(shape) + 7)
+    x = (torch.randn(shape, generator=g) * 3).to(DEVICE, x_dtype)
+    r = torch.randn(shape, generator=g).to(DEVICE, r_dtype)
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(DEVICE, x_dtype)
+    h_dtype = torch.promote_types(x_dtype, r_dtype)
+    dh = torch.randn(shape, generator=g).to(DEVICE, h_dtype)
+    dy = torch.randn(shape, generator=g).to(DEVICE, out_dtype or h_dtype)
+
+    def run(fn, cast=None):  # type: ignore[no-untyped-def]
+        leaves = [(t if cast is None else t.to(cast)).detach().requires_grad_() for t in (x, r, w)]
+        h, y = fn(*leaves)
+        grads = torch.autograd.grad((h, y), leaves, [t if cast is None else t.to(cast) for t in (dh, dy)])
+        return [h.detach(), y.detach(), *grads]
+
+    ours = run(lambda a, b, c: add_rms_norm(a, b, c, 1e-5, out_dtype=out_dtype, backend="triton"))
+    same = run(lambda a, b, c: _add_norm_ref(a, b, c, out_dtype, upcast=False))
+    ref = run(lambda a, b, c: _add_norm_ref(a, b, c, out_dtype, upcast=True), cast=torch.float64)
+    assert torch.equal(ours[0], x + r) and ours[0].dtype == h_dtype
+    assert ours[1].dtype == (out_dtype or h_dtype) and (ours[2].dtype, ours[3].dtype) == (x_dtype, r_dtype)
+    _derived_check(ours[1:], same[1:], ref[1:], ("y", "dx", "dr", "dw"))
+
+
+def test_add_rms_norm_errors_and_reference_backend():
+    from lightning_llmopt.kernels.rmsnorm import add_rms_norm
+
+    x, r, w = torch.randn(4, 16), torch.randn(4, 16), torch.ones(16)
+    h, y = add_rms_norm(x, r, w, backend="reference")
+    assert torch.equal(h, x + r) and torch.equal(y, rms_norm_ref(x + r, w))
+    with pytest.raises(ValueError, match=r"x \(4, 16\) and r \(4, 8\) must have the same shape"):
+        add_rms_norm(x, torch.randn(4, 8), w)
+    with pytest.raises(ValueError, match=r"weight shape \(8,\) must be \(16,\)"):
+        add_rms_norm(x, r, torch.ones(8))
