@@ -197,7 +197,7 @@ def _fused_apply_rotary_pos_emb(original: Callable, backend: str | None) -> Call
     q/k ``(B, H, T, D)``, cos/sin ``(B or 1, T, D)`` whose two halves are equal (transformers builds them as
     ``cat(freqs, freqs)``); anything else goes to the original function.
     """
-    from lightning_llmopt.kernels.rotary import apply_rotary_
+    from lightning_llmopt.kernels.rotary import apply_rotary
 
     def apply_rotary_pos_emb(
         q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *args: Any, **kwargs: Any
@@ -207,8 +207,8 @@ def _fused_apply_rotary_pos_emb(original: Callable, backend: str | None) -> Call
             return original(q, k, cos, sin, *args, **kwargs)
         half = q.shape[-1] // 2
         c, s = cos[..., :half], sin[..., :half]  # (B, T, D/2)
-        q = apply_rotary_(q.transpose(1, 2), c, s, backend=backend).transpose(1, 2)
-        k = apply_rotary_(k.transpose(1, 2), c, s, backend=backend).transpose(1, 2)
+        q = apply_rotary(q.transpose(1, 2), c, s, backend=backend).transpose(1, 2)
+        k = apply_rotary(k.transpose(1, 2), c, s, backend=backend).transpose(1, 2)
         return q, k
 
     return apply_rotary_pos_emb

@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_llmopt.kernels.fused_common import KERNEL_DTYPES, resolve_backend
 from lightning_llmopt.kernels.fused_ref import rotary_ref
 
-__all__ = ["RotaryFunction", "apply_rotary_"]
+__all__ = ["RotaryFunction", "RotaryOutFunction", "apply_rotary", "apply_rotary_"]
 
 
 @torch.library.custom_op("lightning_llmopt::rotary_", mutates_args=("x",))
@@ -78,6 +78,22 @@ class RotaryFunction(torch.autograd.Function):
         return dx, None, None, None
 
 
+class RotaryOutFunction(torch.autograd.Function):
+    """Out-of-place rotation (the custom op ``lightning_llmopt::rotary``): what :func:`apply_rotary` uses under
+    ``torch.compile``, where functionalizing the in-place op costs copies of ``x`` in the compiled graphs."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None) -> Tensor:  # type: ignore
+        ctx.save_for_backward(cos, sin, positions)
+        return torch.ops.lightning_llmopt.rotary(x, cos, sin, positions, False)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        cos, sin, positions = ctx.saved_tensors
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        return torch.ops.lightning_llmopt.rotary(dy, cos, sin, positions, True), None, None, None
+
+
 def _check(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None) -> None:
     if x.ndim != 4 or x.shape[-1] % 2:
         raise ValueError(f"x must be (B, T, H, D) with an even D, got shape {tuple(x.shape)}")
@@ -124,3 +140,23 @@ def apply_rotary_(
     if positions is not None and positions.dtype not in (torch.int32, torch.int64):
         positions = positions.long()
     return RotaryFunction.apply(x, cos, sin, positions)
+
+
+def apply_rotary(
+    x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = None, *, backend: str | None = None
+) -> Tensor:
+    """The rotated ``x`` (arguments as :func:`apply_rotary_`): in place in eager mode (nothing of ``x``'s size is
+    allocated or saved), out of place under ``torch.compile`` (functionalizing the in-place custom op on views of a
+    projection puts copies and clones of ``x`` into the compiled forward and backward). Use the returned tensor."""
+    if not torch.compiler.is_compiling():
+        return apply_rotary_(x, cos, sin, positions, backend=backend)
+    _check(x, cos, sin, positions)
+    if resolve_backend(backend, x.device, "rotary") == "reference" or x.dtype not in KERNEL_DTYPES or x.stride(-1) != 1:
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        return rotary_ref(x, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1))
+    if sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if positions is not None and positions.dtype not in (torch.int32, torch.int64):
+        positions = positions.long()
+    return RotaryOutFunction.apply(x, cos, sin, positions)

@@ -1,10 +1,10 @@
-"""Rotary embedding applied in place to q and k (:func:`lightning_llmopt.kernels.rotary.apply_rotary_`)."""
+"""Rotary embedding applied to q and k (:func:`lightning_llmopt.kernels.rotary.apply_rotary`: in place in eager mode)."""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_llmopt.kernels.rotary import apply_rotary_
+from lightning_llmopt.kernels.rotary import apply_rotary
 
 __all__ = ["FusedRotary"]
 
@@ -30,8 +30,8 @@ class FusedRotary(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         cos, sin = table[..., 0], table[..., 1]  # (P, D/2) strided views, no copy
-        q = apply_rotary_(q.transpose(1, 2), cos, sin, positions, backend=self.backend).transpose(1, 2)
-        k = apply_rotary_(k.transpose(1, 2), cos, sin, positions, backend=self.backend).transpose(1, 2)
+        q = apply_rotary(q.transpose(1, 2), cos, sin, positions, backend=self.backend).transpose(1, 2)
+        k = apply_rotary(k.transpose(1, 2), cos, sin, positions, backend=self.backend).transpose(1, 2)
         return q, k
 
     def extra_repr(self) -> str:
