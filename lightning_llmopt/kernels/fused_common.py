@@ -4,6 +4,9 @@ Backend rule (the same as flash attention's, with its own variable): the ``backe
 ``$LLMOPT_FUSED_BACKEND``, else ``"auto"``.
 
 - ``"auto"``: the Triton kernels for CUDA tensors when Triton is installed, the pure-PyTorch reference otherwise;
+  for the elementwise and norm kernels (RMSNorm, residual add + RMSNorm, rotary, SwiGLU) also the reference while
+  ``torch.compile`` traces the call, so that the compiler fuses them with the ops around them (the fused linear +
+  cross-entropy keeps its kernel: its point is memory);
 - ``"triton"``: always the kernels (on CPU only with ``TRITON_INTERPRET=1``, which is how the tests run them);
 - ``"reference"``: always the PyTorch reference.
 
@@ -25,12 +28,19 @@ BACKENDS = ("auto", "triton", "reference")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def resolve_backend(backend: str | None, device: torch.device, what: str = "fused kernel") -> str:
-    """``"triton"`` or ``"reference"`` for a call on ``device`` (rule in the module docstring)."""
+def resolve_backend(
+    backend: str | None, device: torch.device, what: str = "fused kernel", *, defer_to_compiler: bool = False
+) -> str:
+    """``"triton"`` or ``"reference"`` for a call on ``device`` (rule in the module docstring).
+
+    ``defer_to_compiler``: ``"auto"`` gives the reference while ``torch.compile`` traces the call (elementwise and
+    norm kernels: the compiler fuses the PyTorch ops with their neighbours, which an opaque kernel prevents)."""
     name = (backend or os.environ.get(ENV) or "auto").lower()
     if name not in BACKENDS:
         raise ValueError(f"{what} backend ({name!r}) must be one of {BACKENDS} (argument or ${ENV})")
     if name == "auto":
+        if defer_to_compiler and torch.compiler.is_compiling():
+            return "reference"
         return "triton" if device.type == "cuda" and triton_available() else "reference"
     if name == "triton":
         if not triton_available():

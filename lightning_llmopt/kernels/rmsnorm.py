@@ -100,7 +100,7 @@ def rms_norm(
         raise ValueError(f"weight shape {tuple(weight.shape)} must be ({d},), the last dim of x {tuple(x.shape)}")
     out_dtype = out_dtype or torch.promote_types(x.dtype, weight.dtype)
     if (
-        resolve_backend(backend, x.device, "rms_norm") == "reference"
+        resolve_backend(backend, x.device, "rms_norm", defer_to_compiler=True) == "reference"
         or x.dtype not in KERNEL_DTYPES
         or weight.dtype not in KERNEL_DTYPES
         or out_dtype not in KERNEL_DTYPES
@@ -163,7 +163,7 @@ def add_rms_norm(
     out_dtype = out_dtype or torch.promote_types(h_dtype, weight.dtype)
     if (
         torch.compiler.is_compiling()
-        or resolve_backend(backend, x.device, "add_rms_norm") == "reference"
+        or resolve_backend(backend, x.device, "add_rms_norm", defer_to_compiler=True) == "reference"
         or any(t not in KERNEL_DTYPES for t in (x.dtype, r.dtype, weight.dtype, out_dtype))
     ):
         h = x + r

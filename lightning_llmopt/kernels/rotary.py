@@ -130,7 +130,11 @@ def apply_rotary_(
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (default ``$LLMOPT_FUSED_BACKEND`` or ``"auto"``).
     """
     _check(x, cos, sin, positions)
-    if resolve_backend(backend, x.device, "rotary") == "reference" or x.dtype not in KERNEL_DTYPES or x.stride(-1) != 1:
+    if (
+        resolve_backend(backend, x.device, "rotary", defer_to_compiler=True) == "reference"
+        or x.dtype not in KERNEL_DTYPES
+        or x.stride(-1) != 1
+    ):
         if positions is not None:
             cos, sin = cos[positions], sin[positions]  # (B, T, D/2)
         # clone: the reference saves views of its input for backward, which copy_ would overwrite
@@ -151,7 +155,11 @@ def apply_rotary(
     if not torch.compiler.is_compiling():
         return apply_rotary_(x, cos, sin, positions, backend=backend)
     _check(x, cos, sin, positions)
-    if resolve_backend(backend, x.device, "rotary") == "reference" or x.dtype not in KERNEL_DTYPES or x.stride(-1) != 1:
+    if (
+        resolve_backend(backend, x.device, "rotary", defer_to_compiler=True) == "reference"
+        or x.dtype not in KERNEL_DTYPES
+        or x.stride(-1) != 1
+    ):
         if positions is not None:
             cos, sin = cos[positions], sin[positions]
         return rotary_ref(x, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1))

@@ -80,6 +80,9 @@ def swiglu(gate: Tensor, up: Tensor, *, backend: str | None = None) -> Tensor:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
     if gate.dtype != up.dtype:
         raise ValueError(f"gate ({gate.dtype}) and up ({up.dtype}) must have the same dtype")
-    if resolve_backend(backend, gate.device, "swiglu") == "reference" or gate.dtype not in KERNEL_DTYPES:
+    if (
+        resolve_backend(backend, gate.device, "swiglu", defer_to_compiler=True) == "reference"
+        or gate.dtype not in KERNEL_DTYPES
+    ):
         return swiglu_ref(gate, up)
     return SwiGLUFunction.apply(gate, up)

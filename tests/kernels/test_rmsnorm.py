@@ -179,3 +179,17 @@ def test_add_rms_norm_errors_and_reference_backend():
         add_rms_norm(x, torch.randn(4, 8), w)
     with pytest.raises(ValueError, match=r"weight shape \(8,\) must be \(16,\)"):
         add_rms_norm(x, r, torch.ones(8))
+
+
+def test_auto_defers_elementwise_kernels_to_the_compiler(monkeypatch):
+    """``"auto"`` while ``torch.compile`` traces: the reference for the elementwise/norm kernels (the compiler fuses
+    them with their neighbours), the kernel where the caller does not defer (the fused CE) or names ``"triton"``."""
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("LLMOPT_FUSED_BACKEND", raising=False)
+    assert resolve_backend("auto", cuda, defer_to_compiler=True) == "triton"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert resolve_backend("auto", cuda, defer_to_compiler=True) == "reference"
+    assert resolve_backend(None, cuda, defer_to_compiler=True) == "reference"
+    assert resolve_backend("auto", cuda) == "triton"
+    monkeypatch.setenv("LLMOPT_FUSED_BACKEND", "triton")
+    assert resolve_backend(None, cuda, defer_to_compiler=True) == "triton"
