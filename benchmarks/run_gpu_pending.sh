@@ -5,9 +5,11 @@
 #   2. speculative decoding (issue 9) now that verify and draft steps replay CUDA graphs;
 #   3. batch-1 decode of llama2-7b incl. int8/int4 in the engine (issues 8 and 10);
 #   4. continuous vs static batching now that mixed steps keep their decodes in graphs (issue 8);
-#   5. paged decode attention timed as CUDA-graph replays beside SDPA (issue 8's 256 MB goal).
+#   5. paged decode attention timed as CUDA-graph replays beside SDPA (issue 8's 256 MB goal);
+#   6. end-to-end 1b training with our kernels (fused add + RMSNorm; under compile the elementwise work left to
+#      the compiler) against Lightning + SDPA, eager and compiled (issue 12).
 # Results and logs go to $OUT when it is set. About 12 minutes; pass step names to run a subset:
-#   bash benchmarks/run_gpu_pending.sh [tests] [spec] [decode] [serve] [kernel]
+#   bash benchmarks/run_gpu_pending.sh [tests] [spec] [decode] [serve] [kernel] [e2e]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
@@ -18,7 +20,8 @@ copy_out() {
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     cp benchmarks/results/speculative-*.json benchmarks/results/decode-batch1-*.json \
-      benchmarks/results/decode-serve-*.json benchmarks/results/decode-kernel-*.json "$OUT/" 2>/dev/null || true
+      benchmarks/results/decode-serve-*.json benchmarks/results/decode-kernel-*.json \
+      benchmarks/results/e2e-kernels-*.json "$OUT/" 2>/dev/null || true
     cp "$LOG" "$OUT/pending.log" 2>/dev/null || true
   fi
 }
@@ -35,6 +38,7 @@ for s in "${steps[@]}"; do
     decode) step 150 python3 benchmarks/bench_decode.py --family decode ;;
     serve) step 240 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
     kernel) step 120 python3 benchmarks/bench_decode.py --family kernel ;;
+    e2e) step 420 python3 benchmarks/bench_e2e_kernels.py --warmup-steps 3 --steps 8 ;;
     *) echo "unknown step $s" | tee -a "$LOG"; status=1 ;;
   esac
 done
