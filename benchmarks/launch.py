@@ -7,6 +7,7 @@ package). A worker writes its JSON row on rank 0, or ``<row>.err<rank>`` with ``
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import signal
@@ -170,6 +171,48 @@ def device_intervals(
     return max(e for _, e, _ in spans) - spans[0][0], busy, gaps
 
 
+_RUNTIME = ("aten::", "cuda", "cu", "Memcpy", "Memset", "Activity Buffer", "PyTorch Profiler", "ProfilerStep")
+
+
+def idle_by_host_scope(prof: Any, min_gap_us: float = 10.0) -> dict[str, tuple[float, int]]:
+    """What the host was inside while no device kernel ran: ``{scope: (idle microseconds, gaps)}``.
+
+    Device gaps of at least ``min_gap_us`` (all kernels and copies count as busy, NCCL included) are each charged
+    to the most recently entered host scope that was open at the gap's midpoint, on any thread: ``record_function``
+    labels such as FSDP2's ``FSDP::pre_forward (layers.3)``, ``Optimizer.step#AdamW.step``, Lightning's hooks, or
+    Python-level ops; aten operators and CUDA runtime calls are skipped in favour of the scope around them (their
+    names say little about who called them). Gaps with no open scope go to ``"(none)"``."""
+    spans, scopes = [], []
+    for evt in prof.events():
+        start, end = evt.time_range.start, evt.time_range.end
+        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            if end > start:
+                spans.append((start, end))
+        elif not evt.name.startswith(_RUNTIME):
+            scopes.append((start, end, evt.name))
+    spans.sort()
+    scopes.sort()
+    gaps = []  # (midpoint, length), in time order
+    cur_end = spans[0][1] if spans else 0.0
+    for s, e in spans[1:]:
+        if s - cur_end >= min_gap_us:
+            gaps.append(((s + cur_end) / 2, s - cur_end))
+        cur_end = max(cur_end, e)
+    out: dict[str, tuple[float, int]] = {}
+    heap: list[tuple[float, float, str]] = []  # (-start, end, name) of the scopes opened so far
+    i = 0
+    for mid, length in gaps:  # sweep: the open scope entered last is the heap's top once closed ones are dropped
+        while i < len(scopes) and scopes[i][0] <= mid:
+            heapq.heappush(heap, (-scopes[i][0], scopes[i][1], scopes[i][2]))
+            i += 1
+        while heap and heap[0][1] < mid:
+            heapq.heappop(heap)  # closed before this gap, so before every later one
+        label = heap[0][2] if heap else "(none)"
+        total, count = out.get(label, (0.0, 0))
+        out[label] = (total + length, count + 1)
+    return out
+
+
 def _gpu_idle_summary(prof: Any, steps: int) -> str:
     """Per step: wall time from the first to the last device kernel of the profiled window, the time some kernel
     (any stream) was running, the idle remainder (host-bound or waiting), and the longest idle stretches."""
@@ -184,6 +227,11 @@ def _gpu_idle_summary(prof: Any, steps: int) -> str:
         lines.append(
             f"  idle {length / 1e3:7.3f} ms at {at / 1e3:8.2f} ms: after {before[:60]!r} before {after[:60]!r}"
         )
+    by_scope = sorted(idle_by_host_scope(prof).items(), key=lambda kv: -kv[1][0])
+    if by_scope:
+        lines.append("idle by host scope (gaps >= 10 us, charged to the innermost open scope at their midpoint):")
+        for name, (total, count) in by_scope[:15]:
+            lines.append(f"  {total / steps / 1e3:7.3f} ms/step in {count:5d} gaps: {name[:90]}")
     return "\n".join(lines)
 
 

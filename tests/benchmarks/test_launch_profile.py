@@ -1,0 +1,63 @@
+"""Profile summaries of benchmarks/launch.py on synthetic profiler events (benchmarks/ is not a package)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(f"_test_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+launch = _load("launch")
+
+
+def _evt(name: str, start: float, end: float, device: str = "DeviceType.CPU") -> SimpleNamespace:
+    span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+    return SimpleNamespace(name=name, device_type=device, time_range=span)
+
+
+class _Prof:
+    def __init__(self, events: list[SimpleNamespace]) -> None:
+        self._events = events
+
+    def events(self) -> list[SimpleNamespace]:
+        return self._events
+
+
+def test_idle_is_charged_to_the_innermost_open_host_scope() -> None:
+    """Three device gaps: one inside an optimizer step (charged to it, not to the aten op or the CUDA call within),
+    one inside an FSDP pre-forward nested in the training step, one where no scope is open; short gaps ignored."""
+    cuda = "DeviceType.CUDA"
+    prof = _Prof(
+        [
+            _evt("gemm", 0, 100, cuda),
+            _evt("gemm", 150, 200, cuda),  # gap 100-150 (50 us): inside Optimizer.step
+            _evt("gemm", 205, 300, cuda),  # gap 200-205 (5 us): below the threshold
+            _evt("gemm", 400, 500, cuda),  # gap 300-400 (100 us): FSDP::pre_forward inside training_step
+            _evt("gemm", 600, 650, cuda),  # gap 500-600 (100 us): no scope
+            _evt("Optimizer.step#AdamW.step", 90, 160),
+            _evt("aten::_fused_adamw_", 110, 140),
+            _evt("cudaLaunchKernel", 120, 130),
+            _evt("[LightningModule]training_step", 290, 480),
+            _evt("FSDP::pre_forward (layers.0)", 320, 390),
+            _evt("aten::empty", 340, 360),
+        ]
+    )
+    got = launch.idle_by_host_scope(prof, min_gap_us=10.0)
+    assert got == {
+        "Optimizer.step#AdamW.step": (50, 1),
+        "FSDP::pre_forward (layers.0)": (100, 1),
+        "(none)": (100, 1),
+    }
+    summary = launch._gpu_idle_summary(prof, steps=1)
+    assert "idle by host scope" in summary and "FSDP::pre_forward (layers.0)" in summary
