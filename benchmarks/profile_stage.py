@@ -85,6 +85,8 @@ def main() -> None:
         kinds = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
         launches = sum(e.count for e in events if e.key in kinds)
         print(f"kernel launches: {launches}")
+        by_scope = sorted(launch.idle_by_host_scope(prof).items(), key=lambda kv: -kv[1][0])[:10]
+        print("device idle by host scope: " + "; ".join(f"{n[:50]} {t / 1e3:.1f} ms ({c})" for n, (t, c) in by_scope))
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
 
 
