@@ -94,6 +94,28 @@ class RotaryOutFunction(torch.autograd.Function):
         return torch.ops.lightning_llmopt.rotary(dy, cos, sin, positions, True), None, None, None
 
 
+def _prepare(
+    x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, backend: str | None
+) -> tuple[bool, Tensor, Tensor, Tensor | None]:
+    """Checked arguments for a rotation of ``x``: ``(True, cos, sin, None)`` with per-token ``(B, T, D/2)`` tables for
+    the PyTorch reference (the backend rule, or a dtype / layout the kernels do not take), else ``(False, cos, sin,
+    positions)`` as the kernels take them."""
+    _check(x, cos, sin, positions)
+    if (
+        resolve_backend(backend, x.device, "rotary", defer_to_compiler=True) == "reference"
+        or x.dtype not in KERNEL_DTYPES
+        or x.stride(-1) != 1
+    ):
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]  # (B, T, D/2)
+        return True, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1), None
+    if sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if positions is not None and positions.dtype not in (torch.int32, torch.int64):
+        positions = positions.long()
+    return False, cos, sin, positions
+
+
 def _check(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None) -> None:
     if x.ndim != 4 or x.shape[-1] % 2:
         raise ValueError(f"x must be (B, T, H, D) with an even D, got shape {tuple(x.shape)}")
@@ -129,20 +151,9 @@ def apply_rotary_(
     Arguments:
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (default ``$LLMOPT_FUSED_BACKEND`` or ``"auto"``).
     """
-    _check(x, cos, sin, positions)
-    if (
-        resolve_backend(backend, x.device, "rotary", defer_to_compiler=True) == "reference"
-        or x.dtype not in KERNEL_DTYPES
-        or x.stride(-1) != 1
-    ):
-        if positions is not None:
-            cos, sin = cos[positions], sin[positions]  # (B, T, D/2)
-        # clone: the reference saves views of its input for backward, which copy_ would overwrite
-        return x.copy_(rotary_ref(x.clone(), cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1)))
-    if sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    if positions is not None and positions.dtype not in (torch.int32, torch.int64):
-        positions = positions.long()
+    ref, cos, sin, positions = _prepare(x, cos, sin, positions, backend)
+    if ref:  # clone: the reference saves views of its input for backward, which copy_ would overwrite
+        return x.copy_(rotary_ref(x.clone(), cos, sin))
     return RotaryFunction.apply(x, cos, sin, positions)
 
 
@@ -154,17 +165,7 @@ def apply_rotary(
     projection puts copies and clones of ``x`` into the compiled forward and backward). Use the returned tensor."""
     if not torch.compiler.is_compiling():
         return apply_rotary_(x, cos, sin, positions, backend=backend)
-    _check(x, cos, sin, positions)
-    if (
-        resolve_backend(backend, x.device, "rotary", defer_to_compiler=True) == "reference"
-        or x.dtype not in KERNEL_DTYPES
-        or x.stride(-1) != 1
-    ):
-        if positions is not None:
-            cos, sin = cos[positions], sin[positions]
-        return rotary_ref(x, cos.expand(x.shape[0], -1, -1), sin.expand(x.shape[0], -1, -1))
-    if sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    if positions is not None and positions.dtype not in (torch.int32, torch.int64):
-        positions = positions.long()
+    ref, cos, sin, positions = _prepare(x, cos, sin, positions, backend)
+    if ref:
+        return rotary_ref(x, cos, sin)
     return RotaryOutFunction.apply(x, cos, sin, positions)
