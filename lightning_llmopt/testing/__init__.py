@@ -6,6 +6,7 @@
 - :mod:`lightning_llmopt.testing.triton`: running Triton kernels in the interpreter on CPU.
 - :mod:`lightning_llmopt.testing.data`: :class:`RandomTokens`, synthetic batches for tests and benchmarks.
 - :mod:`lightning_llmopt.testing.lightning_env`: :class:`PoolEnvironment`, a Trainer inside a pool worker.
+- :mod:`lightning_llmopt.testing.scripts`: :func:`load_script`, a file outside a package (``benchmarks/``) as a module.
 
 Importing this package imports neither pytest nor triton; ``RunIf`` and the markers load pytest on first access.
 """

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+from lightning_llmopt.testing.scripts import load_script
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _load(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(f"_test_bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-launch = _load("launch")
+launch = load_script(BENCH / "launch.py", "_test_bench_launch")
 
 
 def _evt(name: str, start: float, end: float, device: str = "DeviceType.CPU") -> SimpleNamespace:
