@@ -147,10 +147,12 @@ def device_intervals(
     """``(wall, busy, gaps)`` in microseconds over a ``torch.profiler`` run's device kernels and copies (any stream):
     ``wall`` from the first start to the last end, ``busy`` the union of their intervals, ``gaps`` the idle stretches
     as ``(length, offset from the first start, kernel before, kernel after)``. Kernels whose name starts with one of
-    ``exclude`` (e.g. ``"nccl"``: a collective kernel spins while it waits for its peer) do not count as busy."""
+    ``exclude`` (e.g. ``"nccl"``: a collective kernel spins while it waits for its peer) do not count as busy.
+    Device-side ``record_function`` ranges (FSDP's ``FullyShardedDataParallel.forward``, ``FSDP::all_gather``) are
+    not work: they span the gaps inside them, so counting them hid most of the idle time (fixed 2026-11-22)."""
     spans = []
     for evt in prof.events():
-        if str(getattr(evt, "device_type", "")).endswith("CUDA") and evt.time_range.elapsed_us() > 0:
+        if _device_work(evt) and evt.time_range.elapsed_us() > 0:
             if not evt.name.lower().startswith(exclude):
                 spans.append((evt.time_range.start, evt.time_range.end, evt.name))
     if not spans:
@@ -171,6 +173,11 @@ def device_intervals(
     return max(e for _, e, _ in spans) - spans[0][0], busy, gaps
 
 
+def _device_work(evt: Any) -> bool:
+    """A kernel, copy or memset on the device; not a ``record_function`` range mirrored onto the device timeline."""
+    return str(getattr(evt, "device_type", "")).endswith("CUDA") and not getattr(evt, "is_user_annotation", False)
+
+
 _RUNTIME = ("aten::", "cuda", "cu", "Memcpy", "Memset", "Activity Buffer", "PyTorch Profiler", "ProfilerStep")
 
 
@@ -185,10 +192,10 @@ def idle_by_host_scope(prof: Any, min_gap_us: float = 10.0) -> dict[str, tuple[f
     spans, scopes = [], []
     for evt in prof.events():
         start, end = evt.time_range.start, evt.time_range.end
-        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+        if _device_work(evt):
             if end > start:
                 spans.append((start, end))
-        elif not evt.name.startswith(_RUNTIME):
+        elif not str(getattr(evt, "device_type", "")).endswith("CUDA") and not evt.name.startswith(_RUNTIME):
             scopes.append((start, end, evt.name))
     spans.sort()
     scopes.sort()

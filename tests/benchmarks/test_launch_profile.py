@@ -53,3 +53,16 @@ def test_idle_is_charged_to_the_innermost_open_host_scope() -> None:
     }
     summary = launch._gpu_idle_summary(prof, steps=1)
     assert "idle by host scope" in summary and "FSDP::pre_forward (layers.0)" in summary
+
+
+def test_device_side_annotations_are_not_busy_time() -> None:
+    """A ``record_function`` range mirrored onto the device timeline spans the idle gaps inside it: the busy time and
+    the gaps come from kernels and copies alone (before 2026-11-22 the range hid FSDP1's idle time)."""
+    cuda = "DeviceType.CUDA"
+    annotation = _evt("FullyShardedDataParallel.forward", 0, 300, cuda)
+    annotation.is_user_annotation = True
+    prof = _Prof([_evt("gemm", 0, 100, cuda), _evt("gemm", 200, 300, cuda), annotation])
+    wall, busy, gaps = launch.device_intervals(prof)
+    assert (wall, busy) == (300, 200)
+    assert [g[0] for g in gaps] == [100]
+    assert launch.idle_by_host_scope(prof, min_gap_us=10.0) == {"(none)": (100, 1)}
