@@ -13,6 +13,7 @@
 #   ppfused     pp with our fused RMSNorm/RoPE/SwiGLU and flash attention (fewer kernel launches per layer)
 #   zero        ZeRO stages against ddp and fsdp on all GPUs (issue 3); zero3: only fsdp and zero3, merged into the
 #               record
+#   zeroctas    fsdp and zero3 with NCCL_MAX_CTAS unset, 8 and 4 (collective kernels contend with GEMMs for SMs)
 #   zeroprof    fsdp and zero3 under torch.profiler (top operators, device idle time, gzipped timelines in
 #               $OUT/traces), record elsewhere
 #
@@ -68,6 +69,14 @@ for s in "$@"; do
     zero3) step 120 python3 benchmarks/bench_zero.py --nproc "$N" --variants fsdp zero3 --merge --log-dir "$LOGS" ;;
     zeroprof) LLMOPT_PROFILE_TRACE="${OUT:-$LOGS}/traces" step 150 python3 benchmarks/bench_zero.py --nproc "$N" \
       --variants fsdp zero3 --profile --warmup-steps 3 --steps 4 --results-dir "$LOGS/prof" --log-dir "$LOGS" ;;
+    zeroctas)  # fsdp and zero3 with NCCL limited to fewer CTAs (SMs), default first; records elsewhere
+      for c in default 8 4; do
+        if [ "$c" = default ]; then unset NCCL_MAX_CTAS; else export NCCL_MAX_CTAS="$c"; fi
+        echo "--- NCCL_MAX_CTAS=$c" | tee -a "$LOG"
+        step 130 python3 benchmarks/bench_zero.py --nproc "$N" --variants fsdp zero3 --results-dir "$LOGS/ctas-$c" \
+          --log-dir "$LOGS"
+      done
+      unset NCCL_MAX_CTAS ;;
     *) echo "unknown step $s" | tee -a "$LOG"; status=1 ;;
   esac
 done

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lightning_llmopt.kernels.flash_attention_common import (
     LOG2E,
+    TUNE_KEY,
     Geometry,
     bwd_configs,
     dq_configs,
@@ -119,7 +120,7 @@ def _flash_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
-    seq_q, seq_k, num_kv_heads, group, qk_scale, sm_scale, WINDOW,
+    seq_q, seq_k, num_kv_heads, group, qk_scale, sm_scale, WINDOW, tune_q, tune_k,  # tune_*: autotuning key only
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -224,7 +225,7 @@ def _flash_bwd_dq_kernel(
     stride_db, stride_ds, stride_dh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
-    seq_q, seq_k, num_heads, group, qk_scale, sm_scale, WINDOW,
+    seq_q, seq_k, num_heads, group, qk_scale, sm_scale, WINDOW, tune_q, tune_k,  # tune_*: autotuning key only
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -297,7 +298,7 @@ def _tuned_kernel(name: str):  # type: ignore[no-untyped-def]
                                                                                         dq_configs())
         _tuned[name] = triton.autotune(
             configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in table],
-            key=["seq_q", "seq_k", "HEAD_D", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"],
+            key=TUNE_KEY,
         )(kernel)
     return _tuned[name]
 
@@ -318,7 +319,7 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     consts = dict(HEAD_D=geo.head_dim, BLOCK_D=geo.block_d, IS_CAUSAL=causal, HAS_WINDOW=window is not None,
                   IS_VARLEN=varlen, IEEE=q.dtype == torch.float32)
     common = (geo.seq_q, geo.seq_k)
-    tail = (scale * LOG2E, scale, window if window is not None else 0)
+    tail = (scale * LOG2E, scale, window if window is not None else 0, *geo.tune_args)
     kv_heads = geo.num_heads // geo.group
     dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu, *geo.strides(q), *geo.strides(k), *geo.strides(v),
                  *geo.strides(do), *geo.strides(dk), *geo.strides(dv), *geo.lse_strides(lse), *common, kv_heads,

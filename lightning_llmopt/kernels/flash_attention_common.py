@@ -48,6 +48,16 @@ class Geometry:
             return (self.num_heads, self.total)
         return (self.batch, self.num_heads, self.seq_q)
 
+    @property
+    def tune_args(self) -> tuple[int, int]:
+        """``(tune_q, tune_k)``: the lengths rounded up to powers of two (at least 16), the autotuning key.
+
+        Keyed on the exact lengths, every new length re-ran the whole configuration search (tens of milliseconds);
+        an inference engine's mixed and verification steps, and packed training batches, bring a new longest
+        sequence nearly every call. One search per power of two serves them all.
+        """
+        return tune_bucket(self.seq_q), tune_bucket(self.seq_k)
+
     def strides(self, t: Tensor) -> tuple[int, int, int]:
         """(batch, token, head) strides in elements; the head dim must be contiguous."""
         if self.cu_seqlens is not None:
@@ -76,6 +86,14 @@ def geometry(q: Tensor, k: Tensor, cu_seqlens: Tensor | None, max_seqlen: int | 
     H = q.shape[1]
     return Geometry(cu_seqlens.numel() - 1, max_seqlen, max_seqlen, H, H // k.shape[1], head_dim, block_d,
                     cu_seqlens, q.shape[0])
+
+
+TUNE_KEY = ["tune_q", "tune_k", "HEAD_D", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"]
+
+
+def tune_bucket(n: int) -> int:
+    """``n`` rounded up to a power of two, at least 16 (one autotuning search per bucket)."""
+    return 1 << max(4, (max(int(n), 1) - 1).bit_length())
 
 
 def use_interpreter_config(t: Tensor) -> bool:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lightning_llmopt.kernels.flash_attention_common import (
     LOG2E,
+    TUNE_KEY,
     Geometry,
     fwd_configs,
     interpreter_block,
@@ -90,7 +91,7 @@ def _flash_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
-    seq_q, seq_k, num_heads, group, qk_scale, WINDOW,
+    seq_q, seq_k, num_heads, group, qk_scale, WINDOW, tune_q, tune_k,  # tune_*: autotuning key only
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -167,7 +168,7 @@ def _tuned_fwd_kernel():  # type: ignore[no-untyped-def]
     if _tuned_fwd is None:
         _tuned_fwd = triton.autotune(
             configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in fwd_configs()],
-            key=["seq_q", "seq_k", "HEAD_D", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"],
+            key=TUNE_KEY,
         )(_flash_fwd_kernel)
     return _tuned_fwd
 
@@ -192,14 +193,15 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scal
     if use_interpreter_config(q):
         bm, bn = interpreter_block(geo.max_q), interpreter_block(geo.max_k)
         grid_fixed = (triton.cdiv(geo.max_q, bm), geo.batch * geo.num_heads)
-        _flash_fwd_kernel[grid_fixed](*args, qk_scale, win, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, **consts)
+        _flash_fwd_kernel[grid_fixed](*args, qk_scale, win, *geo.tune_args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+                                      **consts)
     else:
         kernel = _tuned_fwd_kernel()
 
         def grid(meta):  # type: ignore[no-untyped-def]
             return (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.batch * geo.num_heads)
 
-        kernel[grid](*args, qk_scale, win, **consts)
+        kernel[grid](*args, qk_scale, win, *geo.tune_args, **consts)
     return out, lse
 
 
