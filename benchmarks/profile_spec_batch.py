@@ -5,20 +5,21 @@
 
 Random weights: acceptance is near zero, which is what the adaptive controller's k = 0 path (and its probes) is
 about. Per variant (plain, adaptive draft, fixed-k draft, adaptive prompt lookup): total time, steps, and the step
-times split into steps that verified drafts and steps that did not, with the median of each; then the host-side
-profile of one adaptive run (top operators by self CPU time). Prints only; no record.
+times split into steps that verified drafts and steps that did not, with the median of each; then one variant
+(``--profile``) once more under torch.profiler: top operators by total CPU time, and with ``$OUT`` set its
+timeline (``spec-<variant>.json``). Prints only; no record.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
-from lightning_llmopt.inference import LLMEngine, SamplingParams, SpeculativeConfig
-from lightning_llmopt.inference import spec_decode
+from lightning_llmopt.inference import LLMEngine, SamplingParams, SpeculativeConfig, spec_decode
 from lightning_llmopt.models import Llama, LlamaConfig
 
 
@@ -55,12 +56,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--profile", default="draft-fixed", help="variant to run once more under torch.profiler")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     base = dict(vocab_size=320, max_seq_len=1024, multiple_of=128, tie_embeddings=True)
     if args.smoke:
-        tcfg, dcfg = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2), dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1)
+        tcfg, dcfg = (
+            dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2),
+            dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1),
+        )
         args.batch, args.max_tokens = 4, 24
     else:
         tcfg = dict(dim=1024, n_layers=16, n_heads=16, n_kv_heads=4)
@@ -85,15 +90,25 @@ def main() -> None:
         spec_t = [t for t, r in steps if r]
         plain_t = [t for t, r in steps if not r]
         med = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # noqa: E731
-        print(f"{name:>24}: {total * 1e3:8.1f} ms ({base_s / total:.2f}x plain), {len(steps)} steps; "
-              f"{len(plain_t)} without drafts (median {med(plain_t):.2f} ms, sum {sum(plain_t) * 1e3:.1f}), "
-              f"{len(spec_t)} with (median {med(spec_t):.2f} ms, sum {sum(spec_t) * 1e3:.1f}, rows "
-              f"{sorted({r for _, r in steps if r})})", flush=True)
-        if name == "draft-adaptive":
-            print("   controller:", engine.spec.controller.summary() if engine.spec else None)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        print(
+            f"{name:>24}: {total * 1e3:8.1f} ms ({base_s / total:.2f}x plain), {len(steps)} steps; "
+            f"{len(plain_t)} without drafts (median {med(plain_t):.2f} ms, sum {sum(plain_t) * 1e3:.1f}), "
+            f"{len(spec_t)} with (median {med(spec_t):.2f} ms, sum {sum(spec_t) * 1e3:.1f}, rows "
+            f"{sorted({r for _, r in steps if r})})",
+            flush=True,
+        )
+        if engine.spec is not None:
+            print("   controller:", engine.spec.controller.summary())
+        if name == args.profile:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=acts, with_stack=False, record_shapes=True) as prof:
                 run(engine, prompts, args.max_tokens)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+            out = os.environ.get("OUT")
+            if out:
+                prof.export_chrome_trace(os.path.join(out, f"spec-{name}.json"))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ the CPU launch cost between them (gpt-fast gets the same effect from ``torch.com
   key and writes zeros) and key/value slot 0 of the null block (never read).
 - The split-KV grid of the attention kernel is sized from ``max_model_len`` (fixed at capture); splits past the end
   of a shorter sequence return at once.
-- Graphs are captured on first use of each size, after two warm-up runs on a side stream (Triton compilation and
-  autotuning must happen outside the capture). All graphs share one memory pool.
+- Graphs are captured on first use of each size, or all at once by :meth:`DecodeGraphs.capture_all` (the engine
+  does so at start), after two warm-up runs on a side stream (Triton compilation and autotuning must happen outside
+  the capture). All graphs share one memory pool.
 - A work of several tokens (a speculative verify, or a draft model catching up on accepted tokens) takes one row
   per token (:func:`~lightning_llmopt.inference.runner.decode_rows`), so speculative steps replay graphs too.
   :meth:`DecodeGraphs.run` returns the rows :meth:`ModelRunner.forward` would.
@@ -152,6 +153,17 @@ class DecodeGraphs:
         self._mempool = graph.pool()
         self.graphs[b] = graph
         self.outputs[b] = out
+
+    def capture_all(self) -> None:
+        """Capture every size now instead of on first use. A size first needed mid-serving stalls that step by its
+        capture (with its Triton compilation, over a second on an H100: speculative verify steps reach sizes a
+        warm-up may not have); the engine calls this at start. The buffers hold padding rows meanwhile (context 0,
+        the null block's slot), which the warm-up and replay may compute."""
+        for b in self.sizes:
+            if not self.capture:
+                return
+            if b not in self.graphs:
+                self._step(b)
 
     def _fill(self, work: list[Work], b: int) -> int:
         """Stage the rows in pinned memory and copy them (asynchronously) into the static buffers; returns the row

@@ -37,7 +37,15 @@ from lightning_llmopt.inference.sampling import SamplingParams, _filter
 from lightning_llmopt.inference.scheduler import Work
 from lightning_llmopt.models.llama import Llama
 
-__all__ = ["Drafter", "ModelDrafter", "PromptLookupDrafter", "Proposal", "draft_distribution", "quantized_drafter"]
+__all__ = [
+    "Drafter",
+    "ModelDrafter",
+    "PromptLookupDrafter",
+    "Proposal",
+    "draft_distribution",
+    "draft_distributions",
+    "quantized_drafter",
+]
 
 
 @dataclass
@@ -65,6 +73,16 @@ def draft_distribution(logits: Tensor, params: SamplingParams) -> Tensor:
     if params.greedy:
         return torch.zeros_like(logits, dtype=torch.float32).scatter_(0, logits.argmax()[None], 1.0)
     return torch.softmax(_filter(logits.float() / params.temperature, params.top_k, params.top_p), dim=-1)
+
+
+def draft_distributions(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """``(n, V)`` fp32: row ``i`` is :func:`draft_distribution` of ``logits[i]`` under ``params[i]``. When every row is
+    greedy, the one-hot rows come from one ``argmax`` and one ``scatter_`` over the whole batch (per row, three
+    small ops each made a 32-sequence draft round host-bound)."""
+    if all(p.greedy for p in params):
+        out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return out.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.stack([draft_distribution(r, p) for r, p in zip(logits, params, strict=True)])
 
 
 class PromptLookupDrafter:
@@ -200,7 +218,8 @@ class ModelDrafter:
             if not items:
                 break
             rows = self._forward(items)
-            qs = torch.stack([draft_distribution(rows[r], seqs[r].request.params) for r, _ in items])
+            logits = torch.stack([rows[r] for r, _ in items])
+            qs = draft_distributions(logits, [seqs[r].request.params for r, _ in items])
             picks = qs.argmax(-1)
             for i, (r, _) in enumerate(items):
                 if not seqs[r].request.params.greedy:
@@ -246,7 +265,7 @@ class ModelDrafter:
         for j in range(K):
             if j:
                 logits = self.graphs.replay_rows(metas[j - 1], len(active), ids=picks_per_round[-1])
-            qs = torch.stack([draft_distribution(logits[i], p) for i, p in enumerate(params)])
+            qs = draft_distributions(logits, params)
             picks = qs.argmax(-1)
             for i, r in enumerate(rows_of):
                 if not params[i].greedy:

@@ -127,6 +127,10 @@ class LLMEngine(EngineOutputs):
                 config.attention_backend,
                 self.graphs.sizes if self.graphs is not None else None,
             )
+        if config.capture_graphs_at_start:
+            for graphs in (self.graphs, getattr(self.spec.drafter, "graphs", None) if self.spec else None):
+                if graphs is not None:
+                    graphs.capture_all()
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
@@ -243,9 +247,7 @@ class LLMEngine(EngineOutputs):
         work, logits = step_logits(self.graphs, self.runner, work)
         if self.spec is not None:
             events = self._speculative_sample(work, logits, items, sched)
-            if decode_only:
-                if logits.is_cuda:
-                    torch.cuda.synchronize(logits.device)
+            if decode_only:  # sampling read the tokens back, so the step's device work has finished
                 self.spec.observe_step(sum(w.num_logits for w in work), now() - t0)
         else:
             self.scheduler.complete(sched)
@@ -262,6 +264,11 @@ class LLMEngine(EngineOutputs):
     ) -> list[StreamEvent]:
         """Verify the speculating sequences' drafts, roll back the rejected ones, then sample the others."""
         assert self.spec is not None
+        if not items:  # nobody speculated: the plain path (every logit row is one sampled sequence's)
+            self.scheduler.complete(sched)
+            events = self._sample(work, logits)
+            self.spec.release({s.seq_id for s in self.scheduler.running})
+            return events
         spec_of = {id(it.work): it for it in items}
         plain_rows, plain_work, spec_rows = [], [], []
         row = 0

@@ -157,8 +157,10 @@ class SpeculativeDecoder:
             return []
         left = self.budget - sched.num_tokens
         chosen: list[tuple[Work, int]] = []
-        for w in decodes:
-            k = min(self.controller.choose(w.seq.seq_id, len(decodes)), self._room(w.seq), left)
+        for w, want in zip(decodes, self.controller.plan([w.seq.seq_id for w in decodes], len(decodes)), strict=True):
+            if want <= 0:
+                continue
+            k = min(want, self._room(w.seq), left)
             if k > 0:
                 chosen.append((w, k))
                 left -= k
@@ -204,13 +206,19 @@ class SpeculativeDecoder:
         K = max(len(it.drafts) for it in items)
         B, V = len(items), rows[0].shape[-1]
         dev = rows[0].device
-        probs = torch.zeros(B, K + 1, V, device=dev)
-        drafts = torch.zeros(B, K, dtype=torch.long)
-        num = torch.tensor([len(it.drafts) for it in items], dtype=torch.long)
-        greedy = torch.tensor([it.work.seq.request.params.greedy for it in items])
-        for i, (it, r) in enumerate(zip(items, rows, strict=True)):
-            probs[i, : r.shape[0]] = target_probs(r, it.work.seq.request.params)
-            drafts[i, : len(it.drafts)] = torch.tensor(it.drafts)
+        lens = [len(it.drafts) for it in items]
+        drafts = torch.tensor(
+            [d + [0] * (K - n) for d, n in zip((it.drafts for it in items), lens, strict=True)], dtype=torch.long
+        )
+        num = torch.tensor(lens, dtype=torch.long)
+        flags = [it.work.seq.request.params.greedy for it in items]
+        greedy = torch.tensor(flags)
+        if all(flags) and all(n == K for n in lens):  # the common batch: one stack, no per-row copies
+            probs = torch.stack(rows).float()
+        else:
+            probs = torch.zeros(B, K + 1, V, device=dev)
+            for i, (it, r) in enumerate(zip(items, rows, strict=True)):
+                probs[i, : r.shape[0]] = target_probs(r, it.work.seq.request.params)
         q = None
         if self.proposal_probs is not None:
             sel = to_device(torch.tensor([it.row for it in items]), self.proposal_probs.device)

@@ -23,6 +23,7 @@ costs, and turns speculation off (``k = 0``) when no ``k`` pays.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -329,17 +330,32 @@ class AdaptiveDraftLength:
 
     def choose(self, seq_id: int, batch: int) -> int:
         """Draft length of sequence ``seq_id`` in a decode batch of ``batch`` sequences."""
+        return self.plan([seq_id], batch)[0]
+
+    def plan(self, seq_ids: Sequence[int], batch: int) -> list[int]:
+        """Draft lengths of ``seq_ids`` (one decode step of ``batch`` sequences), as :meth:`choose` of each.
+
+        The draft token's cost is computed once for the step, and when even perfect acceptance would not reach
+        ``min_gain`` no sequence's best ``k`` is searched: only the probe counters advance. A step that speculates
+        for no one then costs the host a few microseconds per sequence (at batch 32 the per-sequence search added
+        about a tenth of a plain decode step)."""
         if not self.adaptive:
-            return self.max_k
-        k, gain = self.best_k(self.alpha(seq_id), self.token_cost(batch))
-        s = self.seqs.setdefault(seq_id, _SeqAcceptance())
-        if k == 0 or gain < self.min_gain:
-            s.off_steps += 1
-            if s.off_steps % self.probe_every == 0:
-                return 1
-            return 0
-        s.off_steps = 0
-        return k
+            return [self.max_k] * len(seq_ids)
+        cost = self.token_cost(batch)
+        hopeless = self.best_k(1.0 - 1e-9, cost)[1] < self.min_gain
+        out = []
+        for seq_id in seq_ids:
+            k, gain = (0, 1.0) if hopeless else self.best_k(self.alpha(seq_id), cost)
+            s = self.seqs.get(seq_id)
+            if s is None:
+                s = self.seqs[seq_id] = _SeqAcceptance()
+            if k == 0 or gain < self.min_gain:
+                s.off_steps += 1
+                out.append(1 if s.off_steps % self.probe_every == 0 else 0)
+            else:
+                s.off_steps = 0
+                out.append(k)
+        return out
 
     def summary(self) -> dict[str, float]:
         fit = self.fitted()

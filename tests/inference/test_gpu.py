@@ -105,9 +105,30 @@ def test_speculative_steps_replay_cuda_graphs():
         SpeculativeConfig("draft", draft_model=model, num_tokens=4, adaptive=False),
         SpeculativeConfig("self_quantized", quant_bits=8, num_tokens=4, adaptive=False),
     ):
-        engine = LLMEngine(model, block_size=16, num_blocks=256, max_num_seqs=4, speculative=spec)
+        engine = LLMEngine(  # captured on first use, so the sizes that ran are the sizes captured
+            model, block_size=16, num_blocks=256, max_num_seqs=4, speculative=spec, capture_graphs_at_start=False
+        )
         outs = engine.generate(prompts, SamplingParams(max_tokens=new))
         assert [o.token_ids for o in outs] == refs
         assert engine.stats.spec_verifications > 0
         assert any(b > 4 for b in engine.graphs.graphs), "no verify step was replayed from a graph"
         assert engine.spec.drafter.graphs is not None and engine.spec.drafter.graphs.graphs
+
+
+def test_graphs_captured_at_start_serve_identically():
+    """By default every graph size (the drafter's too) is captured when the engine is built; output is unchanged."""
+    from lightning_llmopt.inference.speculative import SpeculativeConfig
+
+    model = _trained_model()
+    g = torch.Generator().manual_seed(5)
+    prompts = [_periodic(g, 1, n)[0].tolist() for n in (21, 37)]
+    refs = [
+        greedy_generate(model, torch.tensor([p], device="cuda"), 32, use_cache=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    spec = SpeculativeConfig("draft", draft_model=model, num_tokens=3)
+    engine = LLMEngine(model, block_size=16, num_blocks=256, max_num_seqs=4, speculative=spec)
+    assert set(engine.graphs.graphs) == set(engine.graphs.sizes)
+    assert set(engine.spec.drafter.graphs.graphs) == set(engine.spec.drafter.graphs.sizes)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32))
+    assert [o.token_ids for o in outs] == refs

@@ -13,6 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
+from lightning_llmopt.inference.sampling import SamplingParams
 from lightning_llmopt.inference.speculative import (
     AdaptiveDraftLength,
     expected_tokens,
@@ -184,3 +185,18 @@ def test_adaptive_length_follows_acceptance_and_cost():
     assert bound.choose(7, batch=32) == 6
     fixed = AdaptiveDraftLength(max_k=3, adaptive=False)
     assert fixed.choose(9, batch=64) == 3
+
+
+def test_batched_draft_distributions_match_row_by_row() -> None:
+    """One scatter for an all-greedy batch, the per-row path otherwise: the same rows as ``draft_distribution``."""
+    from lightning_llmopt.inference.drafters import draft_distribution, draft_distributions
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 11)
+    greedy = [SamplingParams(temperature=0.0)] * 5
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=4), *greedy[:3]]
+    for params in (greedy, mixed):
+        want = torch.stack([draft_distribution(r, p) for r, p in zip(logits, params, strict=True)])
+        got = draft_distributions(logits, params)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
