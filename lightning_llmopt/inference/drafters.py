@@ -158,7 +158,6 @@ class ModelDrafter:
         self.state: dict[int, _DraftSeq] = {}
         # with graphs, rounds of equal k run back to back on the device and read their tokens once (:meth:`_chain`)
         self.chain_rounds = True
-        self.last_catchup = 0  # most uncomputed tokens of a sequence in the last proposal (before its first round)
         self.graphs = None
         if graph_sizes and max_model_len and device.type == "cuda":  # draft steps replayed like the target's
             self.graphs = DecodeGraphs(self.runner, graph_sizes, self.blocks.blocks_for(max_model_len), max_model_len)
@@ -210,7 +209,6 @@ class ModelDrafter:
             except OutOfBlocks:
                 continue  # no room in the draft cache: this sequence does not speculate this step
             active.append((r, ds))
-        self.last_catchup = max((len(ds.tokens) - ds.num_computed for _, ds in active), default=0)
         if self.chain_rounds and self.graphs is not None and K > 1 and active and all(ks[r] == K for r, _ in active):
             if self.graphs.fits(len(active)):
                 self._chain(seqs, K, generators, active, tokens, probs)

@@ -186,9 +186,7 @@ class SpeculativeDecoder:
             w.num_tokens = w.num_logits = 1 + len(drafts)
             items.append(SpecItem(w, drafts, L, row))
         drafted = sum(len(d) for d in proposal.tokens)
-        if isinstance(self.drafter, ModelDrafter) and self.drafter.last_catchup <= 2:
-            # priced on steady speculation only: after steps without drafts the drafter first computes every token
-            # since (a probe after 15 idle steps feeds 16), which says nothing about a draft token's cost
+        if isinstance(self.drafter, ModelDrafter):
             self.controller.observe_draft(len(seqs), drafted, self.draft_s)
         return items
 
