@@ -85,8 +85,23 @@ def draft_distributions(logits: Tensor, params: Sequence[SamplingParams]) -> Ten
     return torch.stack([draft_distribution(r, p) for r, p in zip(logits, params, strict=True)])
 
 
+@dataclass
+class _NgramIndex:
+    """The n-grams of one sequence that end before its last token: n-gram -> latest start, built incrementally."""
+
+    last: dict[tuple[int, ...], int] = field(default_factory=dict)
+    upto: int = 0  # n-grams ending at indices < upto are in ``last``
+    anchor: int = -1  # the token at index upto - 1 when indexed: a cheap check that the prefix did not change
+    # (committed tokens only grow and the engine never reuses a sequence id; a shorter sequence also rebuilds)
+
+
 class PromptLookupDrafter:
     """Prompt lookup decoding: propose the continuation of the latest earlier match of the sequence's suffix.
+
+    Each sequence keeps an index of its n-grams (``ngram_min`` to ``ngram_max`` tokens, latest start of each),
+    extended by the tokens committed since the last step, so a lookup costs the same at any length; searching the
+    whole sequence per step took about 40 us a sequence, as long as a batch-32 decode step for 32 of them.
+    :meth:`lookup` is that search, kept as the stateless reference.
 
     Arguments:
         ngram_max, ngram_min: suffix lengths tried, longest first.
@@ -94,6 +109,7 @@ class PromptLookupDrafter:
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.index: dict[int, _NgramIndex] = {}
 
     def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
@@ -110,11 +126,31 @@ class PromptLookupDrafter:
                 return [int(t) for t in arr[start : start + k]]
         return []
 
+    def lookup_indexed(self, seq_id: int, tokens: Sequence[int], k: int) -> list[int]:
+        """:meth:`lookup` through sequence ``seq_id``'s index (extended to ``tokens`` first)."""
+        L = len(tokens)
+        if k <= 0 or L < 2:
+            return []
+        ix = self.index.get(seq_id)
+        if ix is None or ix.upto > L - 1 or (ix.upto and tokens[ix.upto - 1] != ix.anchor):
+            ix = self.index[seq_id] = _NgramIndex()
+        last, lo, hi = ix.last, self.ngram_min, self.ngram_max
+        for end in range(ix.upto, L - 1):  # n-grams ending at end <= L - 2: a token follows each
+            for n in range(lo, min(hi, end + 1) + 1):
+                last[tuple(tokens[end - n + 1 : end + 1])] = end - n + 1
+        ix.upto, ix.anchor = L - 1, tokens[L - 2]
+        for n in range(min(hi, L - 1), lo - 1, -1):
+            start = last.get(tuple(tokens[L - n :]))
+            if start is not None:
+                return list(tokens[start + n : start + n + k])
+        return []
+
     def propose(self, seqs: Sequence[Seq], ks: Sequence[int], generators: Sequence[torch.Generator | None]) -> Proposal:
-        return Proposal([self.lookup(s.tokens, k) for s, k in zip(seqs, ks, strict=True)])
+        return Proposal([self.lookup_indexed(s.seq_id, s.tokens, k) for s, k in zip(seqs, ks, strict=True)])
 
     def release(self, live: set[int]) -> None:
-        return None
+        for sid in [s for s in self.index if s not in live]:
+            del self.index[sid]
 
 
 @dataclass
