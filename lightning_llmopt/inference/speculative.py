@@ -63,7 +63,8 @@ class SpeculativeConfig:
         prior_acceptance: acceptance rate assumed for a sequence before any of its drafts were verified.
         min_gain: predicted gain below which a sequence does not speculate (adaptive only).
         probe_every: a sequence with speculation switched off drafts one token every this many steps, so its
-            acceptance rate stays current.
+            acceptance rate stays current; when the measured costs alone rule speculation out, the whole batch
+            probes at doubling intervals from this up to 16 times it.
         ema: weight of the past in the running acceptance and cost estimates.
     """
 
@@ -227,7 +228,10 @@ class AdaptiveDraftLength:
     a plain decode step of ``B`` sequences costs each ``(a + b B) / B``, and every extra verified token ``b``, so
     one draft token costs ``draft_cost + b / ((a + b B) / B)`` plain steps. A sequence with acceptance rate
     ``alpha`` gets the ``k`` in ``0 .. max_k`` maximising :func:`predicted_speedup`; ``k = 0`` when the best gain is
-    below ``min_gain`` (then every ``probe_every`` steps ``k = 1`` keeps ``alpha`` current).
+    below ``min_gain`` (then every ``probe_every`` steps ``k = 1`` keeps ``alpha`` current). When the cost alone rules
+    speculation out (not even ``alpha = 1`` would reach ``min_gain``), all sequences probe together, every
+    ``probe_every`` steps at first and then at doubling intervals up to ``16 * probe_every`` while that lasts: such a
+    probe only re-measures the costs, and at batch 32 each one cost several plain steps.
 
     Arguments:
         max_k: longest draft.
@@ -249,6 +253,8 @@ class AdaptiveDraftLength:
     _fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # weighted sums: w, N, N^2, T, N T
     _draft_cost_est: float | None = None
     _global: _SeqAcceptance = field(default_factory=_SeqAcceptance)
+    _hopeless_idle: int = 0  # steps since the last probe while the cost rules speculation out
+    _hopeless_gap: int = 0  # steps between such probes now (0: probe_every)
 
     # ---------------------------------------------------------------- estimates
     def alpha(self, seq_id: int) -> float:
@@ -335,17 +341,24 @@ class AdaptiveDraftLength:
     def plan(self, seq_ids: Sequence[int], batch: int) -> list[int]:
         """Draft lengths of ``seq_ids`` (one decode step of ``batch`` sequences), as :meth:`choose` of each.
 
-        The draft token's cost is computed once for the step, and when even perfect acceptance would not reach
-        ``min_gain`` no sequence's best ``k`` is searched: only the probe counters advance. A step that speculates
-        for no one then costs the host a few microseconds per sequence (at batch 32 the per-sequence search added
-        about a tenth of a plain decode step)."""
+        The draft token's cost is computed once for the step. When even perfect acceptance would not reach
+        ``min_gain``, no sequence's best ``k`` is searched and the whole batch probes together at backed-off
+        intervals (class docstring); such a step costs the host a counter, where the per-sequence search cost
+        about 6 us a sequence (CPU, under cProfile)."""
         if not self.adaptive:
             return [self.max_k] * len(seq_ids)
         cost = self.token_cost(batch)
-        hopeless = self.best_k(1.0 - 1e-9, cost)[1] < self.min_gain
+        if self.best_k(1.0 - 1e-9, cost)[1] < self.min_gain:
+            self._hopeless_idle += 1
+            gap = self._hopeless_gap or self.probe_every
+            if self._hopeless_idle < gap:
+                return [0] * len(seq_ids)
+            self._hopeless_idle, self._hopeless_gap = 0, min(2 * gap, 16 * self.probe_every)
+            return [1] * len(seq_ids)
+        self._hopeless_idle = self._hopeless_gap = 0
         out = []
         for seq_id in seq_ids:
-            k, gain = (0, 1.0) if hopeless else self.best_k(self.alpha(seq_id), cost)
+            k, gain = self.best_k(self.alpha(seq_id), cost)
             s = self.seqs.get(seq_id)
             if s is None:
                 s = self.seqs[seq_id] = _SeqAcceptance()

@@ -204,8 +204,8 @@ def test_batched_draft_distributions_match_row_by_row() -> None:
 
 def test_plan_follows_the_documented_rule_in_both_paths():
     """``plan`` against the rule written out here: each sequence gets the ``k`` maximising the predicted speedup at
-    its acceptance rate, ``0`` below ``min_gain`` with a one-token probe every ``probe_every``-th such step. Checked
-    when some sequence may speculate and when even perfect acceptance could not pay (``plan``'s short path)."""
+    its acceptance rate, ``0`` below ``min_gain`` with a one-token probe every ``probe_every``-th such step; when not
+    even ``alpha = 1`` would pay, everyone probes together at doubling intervals (``probe_every``, 2x, 4x, ... 16x)."""
 
     def trained(draft_cost: float) -> AdaptiveDraftLength:
         ctl = AdaptiveDraftLength(max_k=4, draft_cost=draft_cost, probe_every=3)
@@ -214,21 +214,27 @@ def test_plan_follows_the_documented_rule_in_both_paths():
             ctl.update(2, 4, 0)
         return ctl
 
-    for draft_cost in (0.05, 50.0):  # 50: every k loses even at alpha = 1
-        ctl = trained(draft_cost)
-        off = {1: 0, 2: 0, 3: 0}
-        for _ in range(7):
-            want = []
-            for sid in (1, 2, 3):
-                alpha = ctl.alpha(sid)
-                gains = {k: predicted_speedup(alpha, k, draft_cost) for k in range(1, 5)}
-                k = max(gains, key=gains.get)
-                if gains[k] < ctl.min_gain:
-                    off[sid] += 1
-                    want.append(1 if off[sid] % 3 == 0 else 0)
-                else:
-                    off[sid] = 0
-                    want.append(k)
-            assert ctl.plan([1, 2, 3], batch=3) == want
-        if draft_cost < 1:
-            assert want[0] == 4 and want[1] in (0, 1)
+    ctl = trained(0.05)
+    off = {1: 0, 2: 0, 3: 0}
+    for _ in range(7):
+        want = []
+        for sid in (1, 2, 3):
+            gains = {k: predicted_speedup(ctl.alpha(sid), k, 0.05) for k in range(1, 5)}
+            k = max(gains, key=gains.get)
+            if gains[k] < ctl.min_gain:
+                off[sid] += 1
+                want.append(1 if off[sid] % 3 == 0 else 0)
+            else:
+                off[sid] = 0
+                want.append(k)
+        assert ctl.plan([1, 2, 3], batch=3) == want
+    assert want[0] == 4 and want[1] in (0, 1)
+
+    hopeless = trained(50.0)  # every k loses even at alpha = 1
+    probes = [step for step in range(1, 200) if hopeless.plan([1, 2, 3], batch=3) == [1, 1, 1]]
+    gaps = [b - a for a, b in zip([0, *probes], probes, strict=False)]
+    assert gaps[:6] == [3, 6, 12, 24, 48, 48]  # capped at 16 * probe_every
+    cheap = AdaptiveDraftLength(max_k=4, draft_cost=50.0, probe_every=3)
+    cheap.plan([1], batch=1)
+    cheap.draft_cost = 0.05  # costs fell: back to per-sequence decisions, backoff reset
+    assert cheap.plan([1], batch=1) == [4] and cheap._hopeless_gap == 0
