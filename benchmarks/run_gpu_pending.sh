@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The single-GPU measurements that code landed for without a GPU run (2026-11-22), in one call on an H100/H200:
-#   1. every GPU-marked test (quantized fused decode, speculative steps in CUDA graphs, grouped GEMM 'torch'
-#      backend, 2:4 conversion, kernels);
-#   2. speculative decoding (issue 9) now that verify and draft steps replay CUDA graphs;
-#   3. batch-1 decode of llama2-7b incl. int8/int4 in the engine (issues 8 and 10);
-#   4. continuous vs static batching now that mixed steps keep their decodes in graphs (issue 8);
-#   5. paged decode attention timed as CUDA-graph replays beside SDPA (issue 8's 256 MB goal);
-#   6. end-to-end 1b training with our kernels (fused add + RMSNorm; under compile the elementwise work left to
-#      the compiler) against Lightning + SDPA, eager and compiled (issue 12).
-# Results and logs go to $OUT when it is set. About 12 minutes; pass step names to run a subset:
+# Single-GPU measurements, in one or a few calls on an H100/H200 (steps as listed; pass names to run a subset):
+#   tests   every GPU-marked test of the engine and kernels (quantized fused decode, speculative steps in CUDA graphs,
+#           graphs captured at engine start, grouped GEMM 'torch' backend, 2:4 conversion, paged attention, quant)
+#   spec    speculative decoding (issue 9); after 2026-11-22's third run: probes at doubling intervals while the
+#           cost rules speculation out, prompt lookup's incremental n-gram index (not yet measured)
+#   decode  batch-1 decode of llama2-7b incl. int8/int4 in the engine (issues 8 and 10)
+#   serve   continuous vs static batching, with grouped admission (issue 8)
+#   kernel  paged decode attention, eager and as CUDA-graph replays, beside SDPA (issue 8)
+#   e2e     end-to-end 1b training with our kernels against Lightning + SDPA, eager and compiled (issue 12)
+# Results and logs go to $OUT when it is set. Time limits per step below (tests 240 s, spec 300 s, e2e 420 s):
 #   bash benchmarks/run_gpu_pending.sh [tests] [spec] [decode] [serve] [kernel] [e2e]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -27,7 +27,7 @@ copy_out() {
 }
 trap copy_out EXIT
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests spec decode serve kernel)
+[ ${#steps[@]} -eq 0 ] && steps=(tests spec decode serve)
 source "benchmarks/gpu_step.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 for s in "${steps[@]}"; do
