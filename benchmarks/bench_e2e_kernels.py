@@ -9,7 +9,9 @@ as ``bench_train.py``. Variants, each in its own process (compile caches and aut
 - ``ours-kernels``: ``LlamaConfig(fused_kernels=["all"], attn_backend="triton")``: fused RMSNorm, in-place RoPE,
   SwiGLU, chunked fused linear + cross-entropy, our flash attention; eager;
 - ``ours-kernels-sdpa``: our fused kernels with SDPA attention (separates the attention kernel's share);
-- ``ours-kernels-compile``: ``ours-kernels`` with every block compiled (our kernels are custom ops inside the graph).
+- ``ours-kernels-compile``: ``ours-kernels`` with every block compiled (our kernels are custom ops inside the graph);
+- ``ours-kernels-sdpa-compile``: ``ours-kernels-sdpa`` with every block compiled: peer b plus our fused linear +
+  cross-entropy (under compile ``auto`` leaves norms, rotary and SwiGLU to the compiler).
 
 Reports the median step time, tokens/s, model TFLOP/s (``Llama.flops_per_token``: 6N + causal attention), MFU
 against the bf16 GEMM ceiling measured in the same process and against 989 TFLOP/s, and peak memory. One record,
@@ -48,6 +50,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ours-kernels": {"kernels": True, "attention": "triton", "compile": False},
     "ours-kernels-sdpa": {"kernels": True, "attention": "sdpa", "compile": False},
     "ours-kernels-compile": {"kernels": True, "attention": "triton", "compile": True},
+    "ours-kernels-sdpa-compile": {"kernels": True, "attention": "sdpa", "compile": True},
 }
 PEERS = ("lightning-sdpa", "lightning-sdpa-compile")
 
