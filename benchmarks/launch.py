@@ -173,9 +173,13 @@ def device_intervals(
     return max(e for _, e, _ in spans) - spans[0][0], busy, gaps
 
 
+def _on_device(evt: Any) -> bool:
+    return str(getattr(evt, "device_type", "")).endswith("CUDA")
+
+
 def _device_work(evt: Any) -> bool:
     """A kernel, copy or memset on the device; not a ``record_function`` range mirrored onto the device timeline."""
-    return str(getattr(evt, "device_type", "")).endswith("CUDA") and not getattr(evt, "is_user_annotation", False)
+    return _on_device(evt) and not getattr(evt, "is_user_annotation", False)
 
 
 _RUNTIME = ("aten::", "cuda", "cu", "Memcpy", "Memset", "Activity Buffer", "PyTorch Profiler", "ProfilerStep")
@@ -195,7 +199,7 @@ def idle_by_host_scope(prof: Any, min_gap_us: float = 10.0) -> dict[str, tuple[f
         if _device_work(evt):
             if end > start:
                 spans.append((start, end))
-        elif not str(getattr(evt, "device_type", "")).endswith("CUDA") and not evt.name.startswith(_RUNTIME):
+        elif not _on_device(evt) and not evt.name.startswith(_RUNTIME):
             scopes.append((start, end, evt.name))
     spans.sort()
     scopes.sort()

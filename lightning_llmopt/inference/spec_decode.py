@@ -207,9 +207,7 @@ class SpeculativeDecoder:
         B, V = len(items), rows[0].shape[-1]
         dev = rows[0].device
         lens = [len(it.drafts) for it in items]
-        drafts = torch.tensor(
-            [d + [0] * (K - n) for d, n in zip((it.drafts for it in items), lens, strict=True)], dtype=torch.long
-        )
+        drafts = torch.tensor([it.drafts + [0] * (K - len(it.drafts)) for it in items], dtype=torch.long)
         num = torch.tensor(lens, dtype=torch.long)
         flags = [it.work.seq.request.params.greedy for it in items]
         greedy = torch.tensor(flags)

@@ -335,11 +335,12 @@ class AdaptiveDraftLength:
         return best, gain
 
     def choose(self, seq_id: int, batch: int) -> int:
-        """Draft length of sequence ``seq_id`` in a decode batch of ``batch`` sequences."""
+        """Draft length of sequence ``seq_id`` in a decode batch of ``batch`` sequences (:meth:`plan` of a step with
+        only this sequence deciding)."""
         return self.plan([seq_id], batch)[0]
 
     def plan(self, seq_ids: Sequence[int], batch: int) -> list[int]:
-        """Draft lengths of ``seq_ids`` (one decode step of ``batch`` sequences), as :meth:`choose` of each.
+        """Draft lengths of ``seq_ids`` for one decode step of ``batch`` sequences (rule: class docstring).
 
         The draft token's cost is computed once for the step. When even perfect acceptance would not reach
         ``min_gain``, no sequence's best ``k`` is searched and the whole batch probes together at backed-off
@@ -359,9 +360,7 @@ class AdaptiveDraftLength:
         out = []
         for seq_id in seq_ids:
             k, gain = self.best_k(self.alpha(seq_id), cost)
-            s = self.seqs.get(seq_id)
-            if s is None:
-                s = self.seqs[seq_id] = _SeqAcceptance()
+            s = self.seqs.get(seq_id) or self.seqs.setdefault(seq_id, _SeqAcceptance())
             if k == 0 or gain < self.min_gain:
                 s.off_steps += 1
                 out.append(1 if s.off_steps % self.probe_every == 0 else 0)
