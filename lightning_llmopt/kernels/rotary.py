@@ -8,7 +8,9 @@
   the positions, nothing of the size of q or k. One tensor per call: autograd does not allow a function that
   modifies a view in place to return two tensors, so q and k take one launch each;
 - :func:`apply_rotary_`, which picks the kernel or the reference
-  (:func:`~lightning_llmopt.kernels.fused_ref.rotary_ref`, written back with ``copy_``).
+  (:func:`~lightning_llmopt.kernels.fused_ref.rotary_ref`, written back with ``copy_``);
+- :func:`apply_rotary`, what the model's rotary module calls: in place where that costs nothing more, out of place
+  for views under autograd and under ``torch.compile`` (:class:`RotaryOutFunction`).
 """
 
 from __future__ import annotations
@@ -78,20 +80,32 @@ class RotaryFunction(torch.autograd.Function):
         return dx, None, None, None
 
 
+def _rotated(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None, inverse: bool) -> Tensor:
+    """A rotated copy of ``x``: the custom op while ``torch.compile`` traces, else the launcher directly."""
+    if torch.compiler.is_compiling():
+        return torch.ops.lightning_llmopt.rotary(x, cos, sin, positions, inverse)
+    from lightning_llmopt.kernels.rotary_triton import rotary_launch
+
+    out = torch.empty_like(x)
+    rotary_launch(x, out, cos, sin, positions, inverse)
+    return out
+
+
 class RotaryOutFunction(torch.autograd.Function):
     """Out-of-place rotation (the custom op ``lightning_llmopt::rotary``): what :func:`apply_rotary` uses under
-    ``torch.compile``, where functionalizing the in-place op costs copies of ``x`` in the compiled graphs."""
+    ``torch.compile``, where functionalizing the in-place op costs copies of ``x`` in the compiled graphs, and in
+    eager mode for a view that autograd tracks, where the in-place op costs copies of the view's base in backward."""
 
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None) -> Tensor:  # type: ignore
         ctx.save_for_backward(cos, sin, positions)
-        return torch.ops.lightning_llmopt.rotary(x, cos, sin, positions, False)
+        return _rotated(x, cos, sin, positions, False)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         cos, sin, positions = ctx.saved_tensors
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        return torch.ops.lightning_llmopt.rotary(dy, cos, sin, positions, True), None, None, None
+        return _rotated(dy, cos, sin, positions, True), None, None, None
 
 
 def _prepare(
@@ -160,10 +174,16 @@ def apply_rotary_(
 def apply_rotary(
     x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = None, *, backend: str | None = None
 ) -> Tensor:
-    """The rotated ``x`` (arguments as :func:`apply_rotary_`): in place in eager mode (nothing of ``x``'s size is
-    allocated or saved), out of place under ``torch.compile`` (functionalizing the in-place custom op on views of a
-    projection puts copies and clones of ``x`` into the compiled forward and backward). Use the returned tensor."""
-    if not torch.compiler.is_compiling():
+    """The rotated ``x`` (arguments as :func:`apply_rotary_`). Use the returned tensor:
+
+    - in place (nothing of ``x``'s size allocated) in eager mode, unless autograd tracks ``x`` as a view: an in-place
+      op on a view (the model's q and k are views of their projections) makes autograd's backward allocate, zero
+      and copy the view's whole base around the op's gradient, two or three extra passes over q and k per layer;
+    - out of place for such views, and under ``torch.compile`` (functionalizing the in-place custom op on views of a
+      projection puts copies and clones of ``x`` into the compiled forward and backward).
+
+    Neither way saves anything of ``x``'s size for backward."""
+    if not torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled() and x._is_view()):
         return apply_rotary_(x, cos, sin, positions, backend=backend)
     ref, cos, sin, positions = _prepare(x, cos, sin, positions, backend)
     if ref:

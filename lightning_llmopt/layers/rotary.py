@@ -1,4 +1,4 @@
-"""Rotary embedding applied to q and k (:func:`lightning_llmopt.kernels.rotary.apply_rotary`: in place in eager mode)."""
+"""Rotary embedding applied to q and k (:func:`lightning_llmopt.kernels.rotary.apply_rotary`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ __all__ = ["FusedRotary"]
 
 
 class FusedRotary(nn.Module):
-    """Rotates q and k in place (one kernel launch each, nothing of their size saved for backward).
+    """Rotates q and k (one kernel launch each, nothing of their size saved for backward): in place without autograd
+    (inference), out of place while training, where q and k are views of their projections and an in-place op would
+    cost autograd copies of the projections in backward.
 
     The hook :class:`~lightning_llmopt.models.llama.Attention` calls when set (``attention.rotary``); the default
     there is the out-of-place fp32 :func:`~lightning_llmopt.models.rope.apply_rope`, which this reproduces.
@@ -35,4 +37,4 @@ class FusedRotary(nn.Module):
         return q, k
 
     def extra_repr(self) -> str:
-        return f"in_place=True, backend={self.backend or 'auto'}"
+        return f"backend={self.backend or 'auto'}"

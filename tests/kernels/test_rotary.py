@@ -95,6 +95,51 @@ def test_module_rotates_q_and_k_of_different_head_counts():
     torch.testing.assert_close(rk, apply_rope(k, table, pos), atol=1e-6, rtol=1e-5)
 
 
+def _graph_nodes(fn):  # type: ignore[no-untyped-def]
+    """Names of every autograd node reachable from ``fn``."""
+    seen, stack, names = set(), [fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.append(type(node).__name__)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return names
+
+
+def test_module_out_of_place_under_autograd_in_place_without():
+    """Training: q and k are views of their projections, and an in-place op on a view puts a ``CopySlices`` node
+    (allocate, zero and copy the whole projection around the op's gradient) into backward; the module rotates them
+    out of place instead, with the same values and gradients. Inference (no autograd): in place, no allocation."""
+    from lightning_llmopt.layers.rotary import FusedRotary
+
+    torch.manual_seed(0)
+    B, T, H, D = 2, 11, 4, 16
+    table = rope_table(32, D, 10000.0, device=DEVICE)
+    pos = torch.arange(T, device=DEVICE).expand(B, T)
+    lin = torch.nn.Linear(8, 2 * H * D).to(DEVICE)
+    inp = torch.randn(B, T, 8, device=DEVICE)
+    module = FusedRotary(backend="triton")
+    q, k = (t.view(B, T, H, D).transpose(1, 2) for t in lin(inp).chunk(2, dim=-1))
+    rq, rk = module(q, k, table, pos)
+    names = _graph_nodes(rq.grad_fn) + _graph_nodes(rk.grad_fn)
+    assert "CopySlices" not in names and "RotaryOutFunctionBackward" in names
+    ref_q, ref_k = apply_rope(q, table, pos), apply_rope(k, table, pos)
+    torch.testing.assert_close(rq, ref_q, atol=1e-6, rtol=1e-5)
+    dq, dk = torch.randn_like(rq), torch.randn_like(rk)
+    ours = torch.autograd.grad((rq, rk), (lin.weight, lin.bias), (dq, dk), retain_graph=True)
+    ref = torch.autograd.grad((ref_q, ref_k), (lin.weight, lin.bias), (dq, dk))
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        q, k = (t.view(B, T, H, D).transpose(1, 2) for t in lin(inp).chunk(2, dim=-1))
+        before = q.clone()
+        rq, _ = module(q, k, table, pos)
+    assert rq.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(rq, apply_rope(before, table, pos), atol=1e-6, rtol=1e-5)
+
+
 def test_reference_backend_and_bad_shapes():
     table = rope_table(32, 16, 10000.0)
     pos = torch.arange(5).expand(1, 5)
