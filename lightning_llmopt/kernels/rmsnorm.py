@@ -10,7 +10,10 @@
 - :func:`add_rms_norm` (:class:`AddRMSNormFunction`): ``h = x + r`` and the norm of ``h`` in one pass, and in
   backward the residual stream's gradient added into the norm's input gradient in the same pass (a pre-norm block's
   ``h = x + attn(...)`` followed by ``ffn_norm(h)``). Under ``torch.compile`` it is the plain add and
-  :func:`rms_norm`, which the compiler fuses itself.
+  :func:`rms_norm`, which the compiler fuses itself. Its backward writes the bf16 gradient of a bf16 branch output
+  in the same pass as the fp32 one of an fp32 residual stream;
+- :func:`rms_norm_residual` (:class:`RMSNormResidualFunction`): the block's first norm, passing ``x`` through so the
+  residual stream's gradient joins the norm's input gradient in its backward kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from torch import Tensor
 from lightning_llmopt.kernels.fused_common import KERNEL_DTYPES, resolve_backend
 from lightning_llmopt.kernels.fused_ref import rms_norm_ref
 
-__all__ = ["AddRMSNormFunction", "RMSNormFunction", "add_rms_norm", "rms_norm"]
+__all__ = [
+    "AddRMSNormFunction",
+    "RMSNormFunction",
+    "RMSNormResidualFunction",
+    "add_rms_norm",
+    "rms_norm",
+    "rms_norm_residual",
+]
 
 
 @torch.library.custom_op("lightning_llmopt::rms_norm_fwd", mutates_args=())
@@ -42,7 +52,8 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[T
     """``(dx, dweight)``."""
     from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_bwd_launch
 
-    return rms_norm_bwd_launch(dy, x, weight, rstd)
+    dx, dw = rms_norm_bwd_launch(dy, x, weight, rstd)
+    return dx, dw
 
 
 @rms_norm_bwd.register_fake
@@ -134,9 +145,73 @@ class AddRMSNormFunction(torch.autograd.Function):
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         if dh is not None and dh.stride(-1) != 1:
             dh = dh.contiguous()
-        dh_total, dw = rms_norm_bwd_launch(dy, h, weight, rstd, dres=dh)
         x_dtype, r_dtype = ctx.dtypes
-        return dh_total.to(x_dtype), dh_total.to(r_dtype), dw, None, None
+        other = next((t for t in (x_dtype, r_dtype) if t != h.dtype), None)  # a bf16 branch beside an fp32 stream
+        if other is None:
+            dh_total, dw = rms_norm_bwd_launch(dy, h, weight, rstd, dres=dh)
+            return dh_total, dh_total, dw, None, None
+        dh_total, dw, dh_other = rms_norm_bwd_launch(dy, h, weight, rstd, dres=dh, dx2_dtype=other)
+        return (
+            (dh_total if x_dtype == h.dtype else dh_other),
+            (dh_total if r_dtype == h.dtype else dh_other),
+            dw,
+            None,
+            None,
+        )
+
+
+class RMSNormResidualFunction(torch.autograd.Function):
+    """``(x, rms_norm(x))``: ``x`` passed through as a second output, so that its gradient along the residual
+    stream comes back into this function's backward and joins the norm's input gradient in the backward kernel
+    (``dres``), instead of autograd adding the two ``(N, D)`` gradients of ``x`` in a pass of its own. Saves what
+    :class:`RMSNormFunction` saves."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype):  # type: ignore
+        from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_fwd_launch
+
+        y, rstd = rms_norm_fwd_launch(x, weight, eps, out_dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return x.view_as(x), y
+
+    @staticmethod
+    def backward(ctx, dx_stream: Tensor | None, dy: Tensor):  # type: ignore[override]
+        from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_bwd_launch
+
+        x, weight, rstd = ctx.saved_tensors
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        if dx_stream is not None and dx_stream.stride(-1) != 1:
+            dx_stream = dx_stream.contiguous()
+        dx, dw = rms_norm_bwd_launch(dy, x, weight, rstd, dres=dx_stream)
+        return dx, dw, None, None
+
+
+def rms_norm_residual(
+    x: Tensor, weight: Tensor, eps: float = 1e-5, *, out_dtype: torch.dtype | None = None, backend: str | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(x, rms_norm(x, weight, eps, out_dtype=out_dtype))`` for a pre-norm block's first norm; use the returned
+    ``x`` (an alias of the input, no copy) for the residual stream. Then ``x`` has one consumer in the autograd
+    graph, and the backward kernel adds the stream's gradient into the norm's input gradient: one pass instead of the
+    norm's backward plus autograd's accumulation of the two gradients of ``x``. Values and gradients are those of
+    ``rms_norm(x)`` with ``x`` used twice. Under ``torch.compile`` (the compiler fuses the accumulation itself), with
+    the reference backend or without autograd: ``x`` itself and :func:`rms_norm`."""
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} must be ({d},), the last dim of x {tuple(x.shape)}")
+    out_dtype = out_dtype or torch.promote_types(x.dtype, weight.dtype)
+    if (
+        torch.compiler.is_compiling()
+        or not torch.is_grad_enabled()
+        or not (x.requires_grad or weight.requires_grad)
+        or resolve_backend(backend, x.device, "rms_norm_residual", defer_to_compiler=True) == "reference"
+        or any(t not in KERNEL_DTYPES for t in (x.dtype, weight.dtype, out_dtype))
+        or x.stride(-1) != 1
+        or not x.is_contiguous()
+    ):
+        return x, rms_norm(x, weight, eps, out_dtype=out_dtype, backend=backend)
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    x_out, y = RMSNormResidualFunction.apply(x.view(-1, d), w, float(eps), out_dtype)
+    return x_out.view(x.shape), y.view(x.shape)
 
 
 def add_rms_norm(

@@ -8,7 +8,8 @@ Forward, ``ROWS`` rows per program, each row read once:
 
 With a residual (``HAS_RES``) the forward first stores ``h = x + r`` (one read of each, one write) and normalizes
 ``h``; the backward then adds the residual stream's gradient into ``dx`` (``HAS_DRES``): the add costs no pass of
-its own either way.
+its own either way. The backward can also write ``dx`` a second time in another dtype (``HAS_DX2``): the bf16
+gradient of a bf16 branch output beside the fp32 one of an fp32 residual stream, without a separate cast pass.
 
 Backward, a persistent grid of programs that each own a contiguous range of rows:
 
@@ -48,6 +49,7 @@ def _rms_fwd_kernel(
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RES: tl.constexpr,
+    IDX64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -55,7 +57,7 @@ def _rms_fwd_kernel(
     rmask = rows < n_rows
     cmask = cols < D
     mask = rmask[:, None] & cmask[None, :]
-    rows64 = rows.to(tl.int64)
+    rows64 = rows.to(tl.int64) if IDX64 else rows  # 32-bit offsets where they fit: fewer address instructions
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:  # h = x + r, stored in h's dtype, and normalized as stored (the unfused add, then the norm)
         r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -78,16 +80,20 @@ def _rms_bwd_kernel(
     DX,
     DW_PART,
     DRES,
+    DX2,
     stride_dy,
     stride_x,
     stride_dx,
     stride_dres,
+    stride_dx2,
     n_rows,
     D,
     rows_per_prog,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_DRES: tl.constexpr,
+    HAS_DX2: tl.constexpr,
+    IDX64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -100,7 +106,7 @@ def _rms_bwd_kernel(
         rows = r0 + tl.arange(0, ROWS)
         rmask = rows < row_end
         mask = rmask[:, None] & cmask[None, :]
-        rows64 = rows.to(tl.int64)
+        rows64 = rows.to(tl.int64) if IDX64 else rows
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
@@ -111,14 +117,17 @@ def _rms_bwd_kernel(
         if HAS_DRES:  # the gradient reaching the norm's input along the residual stream
             dx += tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DX2:  # the same gradient in a second dtype (for an input of another dtype), no extra read
+            tl.store(DX2 + rows64[:, None] * stride_dx2 + cols[None, :], dx.to(DX2.dtype.element_ty), mask=mask)
         dw += tl.sum(dy * xn.to(X.dtype.element_ty).to(tl.float32), axis=0)
     tl.store(DW_PART + pid.to(tl.int64) * D + cols, dw, mask=cmask)
 
 
 def _configs(block_d: int) -> list[triton.Config]:
-    """A short list: rows per program x warps (about 8-16 elements a thread), capped at 16k elements a program."""
+    """Rows per program (1-8) x warps (about 4-16 elements a thread for one row), capped at 16k elements a program:
+    the fastest pair differs by input dtype (an fp32 residual stream reads twice the bytes of a bf16 one)."""
     warps = max(1, min(16, block_d // 256))
-    pairs = [(1, warps), (1, max(1, warps // 2)), (2, warps), (4, min(16, 2 * warps))]
+    pairs = [(r, w) for r in (1, 2, 4, 8) for w in (max(1, warps // 2), warps, min(16, 2 * warps))]
     out = [triton.Config({"ROWS": r}, num_warps=w) for r, w in dict.fromkeys(pairs) if r * block_d <= 16384]
     return out or [triton.Config({"ROWS": 1}, num_warps=warps)]
 
@@ -155,12 +164,17 @@ def rms_norm_fwd_launch(
     r = x if residual is None else residual
     hh = x if h is None else h
     args = (x, weight, y, rstd, r, hh, x.stride(0), y.stride(0), r.stride(0), hh.stride(0), n, d, eps)
-    consts = dict(BLOCK_D=block_d, HAS_RES=h is not None)
+    consts = dict(BLOCK_D=block_d, HAS_RES=h is not None, IDX64=_needs_int64(n, x, y, r, hh))
     if use_interpreter(x):
         _rms_fwd_kernel[(triton.cdiv(n, 2),)](*args, ROWS=2, **consts)
     else:
         _tuned_kernel("fwd", block_d)[lambda meta: (triton.cdiv(n, meta["ROWS"]),)](*args, **consts)
     return (y, rstd) if h is None else (y, rstd, h)  # type: ignore[return-value]
+
+
+def _needs_int64(n: int, *ts: Tensor) -> bool:
+    """Whether an element offset ``row * stride + col`` can pass 2**31 - 1 in any of ``ts`` (``(n, D)`` views)."""
+    return any(n * t.stride(0) + t.shape[-1] >= 2**31 - 1 for t in ts)
 
 
 def _num_programs(x: Tensor, n: int) -> int:
@@ -171,27 +185,54 @@ def _num_programs(x: Tensor, n: int) -> int:
 
 
 def rms_norm_bwd_launch(
-    dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, dres: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    rstd: Tensor,
+    dres: Tensor | None = None,
+    dx2_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, ...]:
     """Gradients ``dx`` (like ``x``) and ``dw`` (like ``weight``) from ``dy`` ``(N, D)``; ``dres`` ``(N, D)``, the
-    gradient ``x`` gets from elsewhere (the residual stream), is added into ``dx``."""
+    gradient ``x`` gets from elsewhere (the residual stream), is added into ``dx``. With ``dx2_dtype``, also ``dx``
+    in that dtype, written by the same pass: ``(dx, dw, dx2)``."""
     n, d = x.shape
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dx2 = None if dx2_dtype is None else torch.empty((n, d), device=x.device, dtype=dx2_dtype)
     if n == 0:
-        return dx, torch.zeros_like(weight)
+        return (dx, torch.zeros_like(weight)) if dx2 is None else (dx, torch.zeros_like(weight), dx2)
     block_d = max(16, next_pow2(d))
     progs = _num_programs(x, n)
     rows_per_prog = triton.cdiv(n, progs)
     progs = triton.cdiv(n, rows_per_prog)
     parts = torch.empty((progs, d), device=x.device, dtype=torch.float32)
     dr = dy if dres is None else dres
-    args = (dy, x, weight, rstd, dx, parts, dr, dy.stride(0), x.stride(0), dx.stride(0), dr.stride(0), n, d)
-    consts = dict(BLOCK_D=block_d, HAS_DRES=dres is not None)
+    d2 = dx if dx2 is None else dx2
+    args = (
+        dy,
+        x,
+        weight,
+        rstd,
+        dx,
+        parts,
+        dr,
+        d2,
+        dy.stride(0),
+        x.stride(0),
+        dx.stride(0),
+        dr.stride(0),
+        d2.stride(0),
+        n,
+        d,
+    )
+    consts = dict(
+        BLOCK_D=block_d, HAS_DRES=dres is not None, HAS_DX2=dx2 is not None, IDX64=_needs_int64(n, dy, x, dx, dr, d2)
+    )
     if use_interpreter(x):
         _rms_bwd_kernel[(progs,)](*args, rows_per_prog, ROWS=2, **consts)
     else:
         _tuned_kernel("bwd", block_d)[(progs,)](*args, rows_per_prog, **consts)
-    return dx, parts.sum(0).to(weight.dtype)
+    dw = parts.sum(0).to(weight.dtype)
+    return (dx, dw) if dx2 is None else (dx, dw, dx2)
 
 
 __all__ = ["rms_norm_bwd_launch", "rms_norm_fwd_launch"]

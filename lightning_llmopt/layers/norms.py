@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_llmopt.kernels.fused_common import autocast_dtype
-from lightning_llmopt.kernels.rmsnorm import add_rms_norm, rms_norm
+from lightning_llmopt.kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_residual
 from lightning_llmopt.models.llama import RMSNorm
 
 __all__ = ["FusedRMSNorm"]
@@ -51,6 +51,13 @@ class FusedRMSNorm(RMSNorm):
         its ``ffn_norm``."""
         out_dtype = autocast_dtype(x.device.type) if self.cast_to_autocast else None
         return add_rms_norm(x, r, self.weight, self.eps, out_dtype=out_dtype, backend=self.backend)
+
+    def forward_residual(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x, self(x))`` with ``x`` passed through (:func:`~lightning_llmopt.kernels.rmsnorm.rms_norm_residual`):
+        use the returned ``x`` for the residual stream, and its gradient joins the norm's input gradient in the norm's
+        backward kernel. ``TransformerBlock`` uses it for its ``attention_norm``."""
+        out_dtype = autocast_dtype(x.device.type) if self.cast_to_autocast else None
+        return rms_norm_residual(x, self.weight, self.eps, out_dtype=out_dtype, backend=self.backend)
 
     @classmethod
     def from_module(cls, module: Any, *, cast_to_autocast: bool = True, backend: str | None = None) -> FusedRMSNorm:

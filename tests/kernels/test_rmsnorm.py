@@ -169,6 +169,67 @@ def test_add_rms_norm_matches_float64_reference(shape, x_dtype, r_dtype, out_dty
     _derived_check(ours[1:], same[1:], ref[1:], ("y", "dx", "dr", "dw"))
 
 
+@pytest.mark.parametrize(
+    "shape, dtype, out_dtype",
+    [((1, 64), torch.float32, None), ((3, 7, 113), torch.float32, torch.float16), ((17, 80), torch.float16, None)],
+)
+def test_rms_norm_residual_passes_x_through_and_fuses_its_gradient(shape, dtype, out_dtype):
+    """``rms_norm_residual``: the returned ``x`` is the input's storage; the gradient of ``x`` (from the stream and
+    from the norm) follows the derived rule against fp64 ``rms_norm`` with ``x`` used twice, and reaches ``x``
+    through the function's one backward node (no separate accumulation)."""
+    from lightning_llmopt.kernels.rmsnorm import rms_norm_residual
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 2).to(DEVICE, dtype)
+    w = (1 + 0.3 * torch.randn(shape[-1], generator=g)).to(DEVICE, dtype)
+    d_stream = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    dy = torch.randn(shape, generator=g).to(DEVICE, out_dtype or dtype)
+
+    def run(fn, cast=None):  # type: ignore[no-untyped-def]
+        leaves = [(t if cast is None else t.to(cast)).detach().requires_grad_() for t in (x, w)]
+        stream, y = fn(*leaves)
+        grads = torch.autograd.grad((stream, y), leaves, [t if cast is None else t.to(cast) for t in (d_stream, dy)])
+        return [stream, y.detach(), *grads]
+
+    ours = run(lambda a, c: rms_norm_residual(a, c, 1e-5, out_dtype=out_dtype, backend="triton"))
+    same = run(lambda a, c: (a, rms_norm_ref(a, c, 1e-5, out_dtype=out_dtype, upcast=False)))
+    ref = run(lambda a, c: (a, rms_norm_ref(a, c, 1e-5, out_dtype=out_dtype, upcast=True)), cast=torch.float64)
+    assert torch.equal(ours[0], x)
+    node, names = ours[0].grad_fn, []  # x's stream output -> (views) -> the function's node -> x's leaf
+    while node is not None and type(node).__name__ != "AccumulateGrad":
+        names.append(type(node).__name__)
+        node = node.next_functions[0][0]
+    assert "RMSNormResidualFunctionBackward" in names and node is not None
+    _derived_check(ours[1:], same[1:], ref[1:], ("y", "dx", "dw"))
+    leaf = x.detach().requires_grad_()
+    stream, _ = rms_norm_residual(leaf, w, backend="triton")
+    assert stream.data_ptr() == leaf.data_ptr()  # an alias, no copy
+    with torch.no_grad():  # no autograd: x itself
+        assert rms_norm_residual(x, w, backend="triton")[0] is x
+
+
+def test_int64_offsets_give_the_same_results(monkeypatch):
+    """Rows whose element offsets pass 2**31 take 64-bit offsets (tensors too large to build here); forcing that
+    path on a small input gives bit-identical outputs and gradients to the 32-bit one."""
+    from lightning_llmopt.kernels import rmsnorm_triton
+    from lightning_llmopt.kernels.rmsnorm import add_rms_norm
+
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(9, 48, generator=g).to(DEVICE) for _ in range(2))
+    w = torch.randn(48, generator=g).to(DEVICE)
+    dh, dy = (torch.randn(9, 48, generator=g).to(DEVICE) for _ in range(2))
+
+    def run():  # type: ignore[no-untyped-def]
+        leaves = [t.detach().requires_grad_() for t in (x, r, w)]
+        h, y = add_rms_norm(*leaves, backend="triton")
+        return [h.detach(), y.detach(), *torch.autograd.grad((h, y), leaves, (dh, dy))]
+
+    narrow = run()
+    monkeypatch.setattr(rmsnorm_triton, "_needs_int64", lambda *a: True)
+    for a, b in zip(run(), narrow, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_add_rms_norm_errors_and_reference_backend():
     from lightning_llmopt.kernels.rmsnorm import add_rms_norm
 
