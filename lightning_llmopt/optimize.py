@@ -54,6 +54,7 @@ def optimize_model(
     rope: bool = True,
     swiglu: bool = True,
     fused_ce: bool = True,
+    pack_qkv: bool = True,
     attention: str | None = None,
     backend: str | None = None,
     process_group: dist.ProcessGroup | None = None,
@@ -64,6 +65,10 @@ def optimize_model(
         model: a :class:`~lightning_llmopt.models.llama.Llama`, or a transformers Llama/Mistral/Qwen2/Qwen3 model
             (causal LM or base model).
         rmsnorm, rope, swiglu, fused_ce: which kernels to use.
+        pack_qkv: reference model only: compute q, k and v with one GEMM over the concatenated ``wq``/``wk``/``wv``
+            weights (the parameters and state dict stay three ``nn.Linear``; modules that are not plain
+            ``nn.Linear``, such as tensor-parallel, LoRA or quantized ones, fall back to three GEMMs at run time).
+            In backward the input's gradient is one GEMM instead of three plus two passes to sum them.
         attention: reference model only: an attention backend name (e.g. ``"triton"``, our flash attention);
             ``None`` keeps the configured one.
         backend: ``"auto"`` / ``"triton"`` / ``"reference"`` for every fused module (see
@@ -75,7 +80,7 @@ def optimize_model(
     """
     from lightning_llmopt.models.llama import Llama
 
-    wanted = dict(rmsnorm=rmsnorm, rope=rope, swiglu=swiglu, fused_ce=fused_ce)
+    wanted = dict(rmsnorm=rmsnorm, rope=rope, swiglu=swiglu, fused_ce=fused_ce, pack_qkv=pack_qkv)
     if isinstance(model, Llama):
         counts = _optimize_llama(model, wanted, attention, backend, process_group)
     elif getattr(getattr(model, "config", None), "model_type", None) in HF_MODEL_TYPES:
@@ -93,7 +98,7 @@ def optimize_model(
         )
     previous = getattr(model, "llmopt_fused", {})
     model.llmopt_fused = {  # type: ignore[assignment]
-        k: previous.get(k, 0) + counts.get(k, 0) for k in (*FUSED_KERNELS, "attention")
+        k: previous.get(k, 0) + counts.get(k, 0) for k in (*FUSED_KERNELS, "attention", "packed_qkv")
     }
     return model
 
@@ -124,7 +129,7 @@ def _optimize_llama(
     from lightning_llmopt.models.attention import registered_backends
     from lightning_llmopt.models.llama import Attention, FeedForward, RMSNorm
 
-    counts = dict.fromkeys((*FUSED_KERNELS, "attention"), 0)
+    counts = dict.fromkeys((*FUSED_KERNELS, "attention", "packed_qkv"), 0)
     if wanted["rmsnorm"]:
         counts["rmsnorm"] = _replace(
             model, lambda m: type(m) is RMSNorm, lambda m: FusedRMSNorm.from_module(m, backend=backend)
@@ -136,6 +141,11 @@ def _optimize_llama(
             lambda m: FusedSwiGLUMLP.from_module(m, backend=backend),  # type: ignore[arg-type]
         )
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    if wanted["pack_qkv"]:
+        for m in attentions:
+            if not m.pack_qkv:
+                m.pack_qkv = True
+                counts["packed_qkv"] += 1
     if wanted["rope"]:
         for m in attentions:
             if getattr(m, "rotary", None) is None:

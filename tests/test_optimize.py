@@ -53,7 +53,7 @@ def test_config_flag_builds_the_same_model_with_fused_modules(monkeypatch):
     ref = Llama(LlamaConfig.from_preset("tiny"))
     fused = Llama(LlamaConfig.from_preset("tiny", fused_kernels=["all"]))
     assert fused.config.fused_kernels == ["rmsnorm", "rope", "swiglu", "fused_ce"]
-    assert fused.llmopt_fused == {"rmsnorm": 5, "rope": 2, "swiglu": 2, "fused_ce": 1, "attention": 0}
+    assert fused.llmopt_fused == {"rmsnorm": 5, "rope": 2, "swiglu": 2, "fused_ce": 1, "attention": 0, "packed_qkv": 2}
     assert fused.state_dict().keys() == ref.state_dict().keys()
     fused.load_state_dict(ref.state_dict())
     tokens, labels = _batch(320)
@@ -61,6 +61,27 @@ def test_config_flag_builds_the_same_model_with_fused_modules(monkeypatch):
     _assert_same(
         _loss_and_grads(fused, lambda m: m.loss(tokens, labels)), _loss_and_grads(ref, lambda m: m.loss(tokens, labels))
     )
+
+
+def test_packed_qkv_matches_three_projections_and_falls_back_for_hooked_modules():
+    """``pack_qkv`` (one GEMM over cat(wq, wk, wv), biases too) gives the unpacked model's loss and gradients; a
+    projection with a forward hook (tensor-parallel layouts, adapters) makes that layer take three GEMMs again."""
+    torch.manual_seed(0)
+    ref = Llama(LlamaConfig.from_preset("tiny", qkv_bias=True))
+    model = copy.deepcopy(ref)
+    optimize_model(model, rmsnorm=False, rope=False, swiglu=False, fused_ce=False)
+    assert model.llmopt_fused["packed_qkv"] == 2 and all(b.attention._packable() for b in model.layers.values())
+    tokens, labels = _batch(320, seed=3)
+    _assert_same(
+        _loss_and_grads(model, lambda m: m.loss(tokens, labels)), _loss_and_grads(ref, lambda m: m.loss(tokens, labels))
+    )
+    calls = []
+    model.layers["0"].attention.wk.register_forward_hook(lambda *a: calls.append(1))
+    assert not model.layers["0"].attention._packable() and model.layers["1"].attention._packable()
+    _assert_same(
+        _loss_and_grads(model, lambda m: m.loss(tokens, labels)), _loss_and_grads(ref, lambda m: m.loss(tokens, labels))
+    )
+    assert calls == [1]
 
 
 def test_optimize_model_in_place_keeps_parameters_and_is_idempotent(monkeypatch):
@@ -73,7 +94,7 @@ def test_optimize_model_in_place_keeps_parameters_and_is_idempotent(monkeypatch)
     assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in params.items()}
     assert model.llmopt_fused["attention"] == 2 and model.config.attn_backend == "triton"
     optimize_model(model)  # nothing left to replace
-    assert model.llmopt_fused == {"rmsnorm": 5, "rope": 2, "swiglu": 2, "fused_ce": 1, "attention": 2}
+    assert model.llmopt_fused == {"rmsnorm": 5, "rope": 2, "swiglu": 2, "fused_ce": 1, "attention": 2, "packed_qkv": 2}
     tokens, labels = _batch(320, seed=2)
     packed = torch.tensor([[0] * 4 + [1] * 7, [0] * 11])  # two documents in the first row
     _assert_same(
@@ -130,7 +151,7 @@ def test_transformers_model_matches_unpatched_copy(cls_name: str, extra: dict, m
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
     ref = copy.deepcopy(hf)
     optimize_model(hf)
-    assert hf.llmopt_fused == {"rmsnorm": 5, "rope": 2, "swiglu": 2, "fused_ce": 1, "attention": 0}
+    assert hf.llmopt_fused == {"rmsnorm": 5, "rope": 2, "swiglu": 2, "fused_ce": 1, "attention": 0, "packed_qkv": 0}
     assert type(ref.model.norm).__name__.endswith("RMSNorm")  # the copy made before is untouched
     tokens, labels = _batch(128, seed=4)
     hf.train(), ref.train()

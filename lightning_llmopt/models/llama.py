@@ -53,14 +53,40 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
         # Hook for a fused rotation, ``rotary(q, k, table, positions) -> (q, k)``; None: ``apply_rope``.
         self.rotary: nn.Module | None = None
+        # One GEMM for q, k and v over the concatenated weights (set by ``optimize_model``; parameters unchanged).
+        self.pack_qkv = False
+
+    def _packable(self) -> bool:
+        """Whether q, k and v can come from one GEMM: three plain ``nn.Linear`` without hooks (not a tensor-parallel
+        layout, LoRA or quantized module), plain-tensor weights of one dtype, biases on all or none."""
+        lins = (self.wq, self.wk, self.wv)
+        if not all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in lins):
+            return False
+        weights = [m.weight for m in lins]
+        if any(type(w) not in (nn.Parameter, Tensor) for w in weights) or len({w.dtype for w in weights}) > 1:
+            return False
+        return len({m.bias is None for m in lins}) == 1
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(wq x, wk x, wv x)``. Packed: one GEMM over ``cat(wq, wk, wv)`` (the input's gradient is then one GEMM
+        too, where three projections need two extra passes to sum theirs), split into views; ``v`` made contiguous
+        (a small copy) so attention sees the layout of the unpacked path."""
+        if not (self.pack_qkv and self._packable()):
+            return self.wq(x), self.wk(x), self.wv(x)
+        lins = (self.wq, self.wk, self.wv)
+        weight = torch.cat([m.weight for m in lins])
+        bias = None if self.wq.bias is None else torch.cat([m.bias for m in lins])  # type: ignore[misc]
+        q, k, v = F.linear(x, weight, bias).split([m.weight.shape[0] for m in lins], dim=-1)
+        return q, k, v.contiguous()
 
     def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask,
                 kv_cache: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape
+        q, k, v = self._project(x)
         # Heads from the output size, not the config, so a tensor-parallel shard with fewer local heads works.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, k, rope, positions)
         else:
@@ -102,7 +128,12 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask,
                 kv_cache: KVCache | None = None) -> Tensor:
-        a = self.attention(self.attention_norm(x), rope, positions, mask, kv_cache)
+        norm_residual = getattr(self.attention_norm, "forward_residual", None)  # a fused norm: x passed through
+        if norm_residual is not None:  # so the residual stream's gradient joins the norm's in its backward kernel
+            x, normed = norm_residual(x)
+        else:
+            normed = self.attention_norm(x)
+        a = self.attention(normed, rope, positions, mask, kv_cache)
         add_norm = getattr(self.ffn_norm, "forward_add", None)  # a fused norm: the residual add in the same pass
         if add_norm is not None:
             h, normed = add_norm(x, a)
