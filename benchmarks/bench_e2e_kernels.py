@@ -11,7 +11,10 @@ as ``bench_train.py``. Variants, each in its own process (compile caches and aut
 - ``ours-kernels-sdpa``: our fused kernels with SDPA attention (separates the attention kernel's share);
 - ``ours-kernels-compile``: ``ours-kernels`` with every block compiled (our kernels are custom ops inside the graph);
 - ``ours-kernels-sdpa-compile``: ``ours-kernels-sdpa`` with every block compiled: peer b plus our fused linear +
-  cross-entropy (under compile ``auto`` leaves norms, rotary and SwiGLU to the compiler).
+  cross-entropy (under compile ``auto`` leaves norms, rotary and SwiGLU to the compiler);
+- ``ours-kernels-sdpa-compile-triton``: the same with ``LLMOPT_FUSED_BACKEND=triton``: every fused kernel of ours
+  (RMSNorm, rotary, SwiGLU, linear + cross-entropy) runs as a custom op inside the compiled blocks, and the compiler
+  fuses only what lies between them.
 
 Reports the median step time, tokens/s, model TFLOP/s (``Llama.flops_per_token``: 6N + causal attention), MFU
 against the bf16 GEMM ceiling measured in the same process and against 989 TFLOP/s, and peak memory. One record,
@@ -51,6 +54,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ours-kernels-sdpa": {"kernels": True, "attention": "sdpa", "compile": False},
     "ours-kernels-compile": {"kernels": True, "attention": "triton", "compile": True},
     "ours-kernels-sdpa-compile": {"kernels": True, "attention": "sdpa", "compile": True},
+    "ours-kernels-sdpa-compile-triton": {"kernels": True, "attention": "sdpa", "compile": True, "backend": "triton"},
 }
 PEERS = ("lightning-sdpa", "lightning-sdpa-compile")
 
@@ -122,6 +126,11 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     data = RandomTokens(module.config.vocab_size, seq_len, total * batch, seed=1234)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False, num_workers=0, pin_memory=cuda)
     timer = bt._step_timer(skip=args.warmup_steps)
+    callbacks: list[Any] = [timer]
+    if args.profile and args.warmup_steps > 1:  # the last warm-up step, ahead of the timer: no timed step is touched
+        import launch
+
+        callbacks.insert(0, launch.profile_callback(args.warmup_steps - 1, 1, cuda, rows=45))
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
@@ -133,7 +142,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[timer],
+        callbacks=callbacks,
     )
     trainer.fit(module, train_dataloaders=loader)
     step_s = statistics.median(timer.interval_s or timer.compute_s)
@@ -153,6 +162,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "params": module.model.num_params(),
         "flops_per_token": flops_per_token,
         "fused": dict(getattr(module.model, "llmopt_fused", {})),
+        # the same data and seed in every variant: a sanity check that the kernels train the same model
+        "final_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
     }
     if cuda:
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -194,9 +205,12 @@ def _run(args: argparse.Namespace, name: str, batch: int) -> tuple[int, dict | N
             str(out),
         ]
         cmd += ["--smoke"] if args.smoke else []
+        cmd += ["--profile"] if args.profile else []
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if args.smoke:
             env.setdefault("TRITON_INTERPRET", "1")
+        if VARIANTS[name].get("backend"):
+            env["LLMOPT_FUSED_BACKEND"] = VARIANTS[name]["backend"]
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         try:
             proc = subprocess.run(cmd, env=env, timeout=args.timeout)
@@ -257,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per variant process")
     p.add_argument("--results-dir", type=Path, default=None, help="default benchmarks/results (temp with --smoke)")
     p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny preset, Triton interpreter")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print each variant's top kernels over its last warm-up step (torch.profiler)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--micro-batch-size", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
