@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import Tensor
 
@@ -124,6 +126,15 @@ def rms_norm(
     return RMSNormFunction.apply(x2, w, float(eps), out_dtype).view(*x.shape[:-1], d)
 
 
+@overload
+def _unit_stride(t: Tensor) -> Tensor: ...
+@overload
+def _unit_stride(t: Tensor | None) -> Tensor | None: ...
+def _unit_stride(t: Tensor | None) -> Tensor | None:
+    """``t`` with a contiguous last dim (an incoming gradient may be a strided view), or None."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 class AddRMSNormFunction(torch.autograd.Function):
     """``(h, y)`` with ``h = x + r`` (the promoted dtype) and ``y = rms_norm(h)``; ``x``, ``r`` ``(N, D)`` with a
     contiguous last dim. Saves ``h`` and the fp32 ``1/rms`` of each row, as :class:`RMSNormFunction` saves ``x``."""
@@ -142,9 +153,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_bwd_launch
 
         h, weight, rstd = ctx.saved_tensors
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        if dh is not None and dh.stride(-1) != 1:
-            dh = dh.contiguous()
+        dy, dh = _unit_stride(dy), _unit_stride(dh)
         x_dtype, r_dtype = ctx.dtypes
         other = next((t for t in (x_dtype, r_dtype) if t != h.dtype), None)  # a bf16 branch beside an fp32 stream
         if other is None:
@@ -179,10 +188,7 @@ class RMSNormResidualFunction(torch.autograd.Function):
         from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_bwd_launch
 
         x, weight, rstd = ctx.saved_tensors
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        if dx_stream is not None and dx_stream.stride(-1) != 1:
-            dx_stream = dx_stream.contiguous()
-        dx, dw = rms_norm_bwd_launch(dy, x, weight, rstd, dres=dx_stream)
+        dx, dw = rms_norm_bwd_launch(_unit_stride(dy), x, weight, rstd, dres=_unit_stride(dx_stream))
         return dx, dw, None, None
 
 
