@@ -107,7 +107,8 @@ def sweep(n: int, d: int, dtype: torch.dtype, sms: int, top: int = 12) -> None:
     timed: list[tuple[float, str]] = []
     for r, wp in rows_warps:
         args = (x, w, y, rstd, x, x, x.stride(0), y.stride(0), x.stride(0), x.stride(0), n, d, 1e-5)
-        kw = dict(BLOCK_D=d, ROWS=r, HAS_RES=False, IDX64=False, num_warps=wp)
+        kw = dict(BLOCK_D=d, ROWS=r, HAS_RES=False, IDX64=False, STORE_RSTD=True, TWO_PASS=False, CHUNK=16,
+                  num_warps=wp)
         timed.append((_launch(_rms_fwd_kernel, (triton.cdiv(n, r),), args, kw), f"grid rows={r} warps={wp}"))
         for row_mask in (0, 1):
             for store in (0, 1):

@@ -77,7 +77,8 @@ class RMSNormFunction(torch.autograd.Function):
         else:
             from lightning_llmopt.kernels.rmsnorm_triton import rms_norm_fwd_launch
 
-            y, rstd = rms_norm_fwd_launch(x, weight, eps, out_dtype)
+            # without a backward to come (inference, no_grad) the per-row statistics are not written
+            y, rstd = rms_norm_fwd_launch(x, weight, eps, out_dtype, store_rstd=any(ctx.needs_input_grad[:2]))
         ctx.save_for_backward(x, weight, rstd)
         return y
 

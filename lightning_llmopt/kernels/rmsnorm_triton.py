@@ -1,6 +1,7 @@
 """Triton RMSNorm (Zhang & Sennrich, arXiv 1910.07467) forward and backward kernels and their launchers.
 
-Forward, ``ROWS`` rows per program, each row read once:
+Forward, ``ROWS`` rows per program, each row read once (or, autotuned as an alternative without a residual, in two
+passes over column chunks, the second re-reading the rows from L2, as the compiler's own kernel does):
 
 1. ``r = 1 / sqrt(mean(x^2) + eps)`` in fp32;
 2. ``y = round_to_x_dtype(x * r) * w``, stored in the output dtype (which may be narrower than x's: under autocast the
@@ -50,25 +51,50 @@ def _rms_fwd_kernel(
     ROWS: tl.constexpr,
     HAS_RES: tl.constexpr,
     IDX64: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
+    TWO_PASS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
     rmask = rows < n_rows
-    cmask = cols < D
-    mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64) if IDX64 else rows  # 32-bit offsets where they fit: fewer address instructions
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:  # h = x + r, stored in h's dtype, and normalized as stored (the unfused add, then the norm)
-        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        h = (x + r).to(H.dtype.element_ty)
-        tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
-        x = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    xn = (x * rstd[:, None]).to(H.dtype.element_ty if HAS_RES else X.dtype.element_ty).to(tl.float32)
-    tl.store(Y + rows64[:, None] * stride_y + cols[None, :], (xn * w[None, :]).to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=rmask)
+    if TWO_PASS and not HAS_RES:
+        # Chunks of CHUNK columns: the first pass sums squares and leaves the rows in L2 (evict-last), the second
+        # re-reads them from there (evict-first) to normalize; nothing of a row stays live in registers across the
+        # reduction, so more rows are in flight.
+        acc = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+        for c0 in tl.range(0, BLOCK_D, CHUNK):
+            c = c0 + tl.arange(0, CHUNK)
+            m = rmask[:, None] & (c < D)[None, :]
+            xc = tl.load(X + rows64[:, None] * stride_x + c[None, :], mask=m, other=0.0, eviction_policy="evict_last")
+            xc = xc.to(tl.float32)
+            acc += xc * xc
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / D + eps)
+        for c0 in tl.range(0, BLOCK_D, CHUNK):
+            c = c0 + tl.arange(0, CHUNK)
+            m = rmask[:, None] & (c < D)[None, :]
+            xc = tl.load(X + rows64[:, None] * stride_x + c[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+            wc = tl.load(W + c, mask=c < D, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            xn = (xc.to(tl.float32) * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+            tl.store(Y + rows64[:, None] * stride_y + c[None, :], (xn * wc[None, :]).to(Y.dtype.element_ty), mask=m)
+    else:
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:  # h = x + r, stored in h's dtype, and normalized as stored (the unfused add, then the norm)
+            r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = (x + r).to(H.dtype.element_ty)
+            tl.store(H + rows64[:, None] * stride_h + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        xn = (x * rstd[:, None]).to(H.dtype.element_ty if HAS_RES else X.dtype.element_ty).to(tl.float32)
+        y = (xn * w[None, :]).to(Y.dtype.element_ty)
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y, mask=mask)
+    if STORE_RSTD:  # only autograd needs it
+        tl.store(RSTD + rows, rstd, mask=rmask)
 
 
 @triton.jit
@@ -123,13 +149,25 @@ def _rms_bwd_kernel(
     tl.store(DW_PART + pid.to(tl.int64) * D + cols, dw, mask=cmask)
 
 
-def _configs(block_d: int) -> list[triton.Config]:
+def _configs(block_d: int, two_pass: bool = False) -> list[triton.Config]:
     """Rows per program (1-8) x warps (about 4-16 elements a thread for one row), capped at 16k elements a program:
-    the fastest pair differs by input dtype (an fp32 residual stream reads twice the bytes of a bf16 one)."""
+    the fastest pair differs by input dtype (an fp32 residual stream reads twice the bytes of a bf16 one). With
+    ``two_pass`` (the forward), also the two-pass form over chunks of up to 1024 columns or whole rows, with the
+    settings a sweep on an H100 found fastest for it (benchmarks/sweep_rmsnorm_fwd.py)."""
     warps = max(1, min(16, block_d // 256))
     pairs = [(r, w) for r in (1, 2, 4, 8) for w in (max(1, warps // 2), warps, min(16, 2 * warps))]
-    out = [triton.Config({"ROWS": r}, num_warps=w) for r, w in dict.fromkeys(pairs) if r * block_d <= 16384]
-    return out or [triton.Config({"ROWS": 1}, num_warps=warps)]
+    base = [(r, w) for r, w in dict.fromkeys(pairs) if r * block_d <= 16384] or [(1, warps)]
+    if not two_pass:
+        return [triton.Config({"ROWS": r}, num_warps=w) for r, w in base]
+    out = [triton.Config({"ROWS": r, "TWO_PASS": False, "CHUNK": 16}, num_warps=w) for r, w in base]
+    chunk = min(1024, block_d)
+    chunked = dict.fromkeys([(2, block_d, 16), (2, chunk, 16), (4, block_d, 16), (1, chunk, 8)])
+    out += [
+        triton.Config({"ROWS": r, "TWO_PASS": True, "CHUNK": c}, num_warps=min(w, max(1, r * c // 256)))
+        for r, c, w in chunked
+        if r * c <= 16384
+    ]
+    return out
 
 
 _tuned: dict[tuple[str, int], object] = {}
@@ -138,18 +176,25 @@ _tuned: dict[tuple[str, int], object] = {}
 def _tuned_kernel(which: str, block_d: int):  # type: ignore[no-untyped-def]
     key = (which, block_d)
     if key not in _tuned:
-        kernel = _rms_fwd_kernel if which == "fwd" else _rms_bwd_kernel
-        _tuned[key] = triton.autotune(configs=_configs(block_d), key=["D"])(kernel)
+        fwd = which == "fwd"
+        kernel = _rms_fwd_kernel if fwd else _rms_bwd_kernel
+        keys = ["D", "HAS_RES", "STORE_RSTD"] if fwd else ["D"]
+        _tuned[key] = triton.autotune(configs=_configs(block_d, two_pass=fwd), key=keys)(kernel)
     return _tuned[key]
 
 
 def rms_norm_fwd_launch(
-    x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype, residual: Tensor | None = None
+    x: Tensor,
+    weight: Tensor,
+    eps: float,
+    out_dtype: torch.dtype,
+    residual: Tensor | None = None,
+    store_rstd: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``x`` ``(N, D)`` with a contiguous last dim -> ``y`` ``(N, D)`` in ``out_dtype`` and ``rstd`` ``(N,)`` fp32.
 
     With ``residual`` ``(N, D)``: the norm of ``h = x + residual`` (in the promoted dtype), and ``h`` is returned
-    too: ``(y, rstd, h)``."""
+    too: ``(y, rstd, h)``. ``store_rstd=False`` (no backward to come): ``rstd`` is left unwritten."""
     n, d = x.shape
     y = torch.empty((n, d), device=x.device, dtype=out_dtype)
     rstd = torch.empty((n,), device=x.device, dtype=torch.float32)
@@ -164,9 +209,9 @@ def rms_norm_fwd_launch(
     r = x if residual is None else residual
     hh = x if h is None else h
     args = (x, weight, y, rstd, r, hh, x.stride(0), y.stride(0), r.stride(0), hh.stride(0), n, d, eps)
-    consts = dict(BLOCK_D=block_d, HAS_RES=h is not None, IDX64=_needs_int64(n, x, y, r, hh))
+    consts = dict(BLOCK_D=block_d, HAS_RES=h is not None, IDX64=_needs_int64(n, x, y, r, hh), STORE_RSTD=store_rstd)
     if use_interpreter(x):
-        _rms_fwd_kernel[(triton.cdiv(n, 2),)](*args, ROWS=2, **consts)
+        _rms_fwd_kernel[(triton.cdiv(n, 2),)](*args, ROWS=2, TWO_PASS=False, CHUNK=16, **consts)
     else:
         _tuned_kernel("fwd", block_d)[lambda meta: (triton.cdiv(n, meta["ROWS"]),)](*args, **consts)
     return (y, rstd) if h is None else (y, rstd, h)  # type: ignore[return-value]

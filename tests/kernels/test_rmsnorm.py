@@ -230,6 +230,36 @@ def test_int64_offsets_give_the_same_results(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("d, chunk", [(80, 16), (113, 32), (256, 256)])
+def test_two_pass_forward_matches_one_pass(d, chunk):
+    """The two-pass forward (an autotuned alternative: column chunks, rows re-read from L2) gives the one-pass
+    kernel's statistics to fp32 rounding and its fp16 output to one rounding step, on odd sizes where the last chunk
+    is partly masked; without the statistics store the output is unchanged and nothing is written."""
+    from lightning_llmopt.kernels.fused_common import next_pow2
+    from lightning_llmopt.kernels.rmsnorm_triton import _rms_fwd_kernel
+
+    g = torch.Generator().manual_seed(d)
+    n = 7
+    x = (torch.randn(n, d, generator=g) * 3).to(DEVICE)
+    w = torch.randn(d, generator=g).to(DEVICE)
+
+    def run(two_pass, store=True):  # type: ignore[no-untyped-def]
+        y = torch.empty(n, d, device=DEVICE, dtype=torch.float16)
+        rstd = torch.full((n,), -1.0, device=DEVICE)
+        args = (x, w, y, rstd, x, x, x.stride(0), y.stride(0), x.stride(0), x.stride(0), n, d, 1e-5)
+        _rms_fwd_kernel[(4,)](*args, BLOCK_D=max(16, next_pow2(d)), ROWS=2, HAS_RES=False, IDX64=False,
+                              STORE_RSTD=store, TWO_PASS=two_pass, CHUNK=chunk)
+        return y, rstd
+
+    one, two = run(False), run(True)
+    ref = (1 / (x.double().square().mean(-1) + 1e-5).sqrt()).float()
+    torch.testing.assert_close(two[1], ref, atol=0, rtol=4e-7)  # fp32 sums in another order: a few ulp at most
+    torch.testing.assert_close(one[1], ref, atol=0, rtol=4e-7)
+    torch.testing.assert_close(two[0], one[0], atol=0, rtol=1e-3)  # the fp16 output: at most one rounding step
+    y, rstd = run(True, store=False)
+    assert torch.equal(y, two[0]) and bool((rstd == -1).all())
+
+
 def test_add_rms_norm_errors_and_reference_backend():
     from lightning_llmopt.kernels.rmsnorm import add_rms_norm
 
