@@ -42,6 +42,7 @@ if [ "$MODE" = "micro" ] || [ "$MODE" = "all" ]; then
   step 75 python benchmarks/bench_fused_kernels.py --family swiglu --results-dir "$RESULTS"
   step 95 python benchmarks/bench_fused_kernels.py --family ce --results-dir "$RESULTS"
   step 60 python benchmarks/bench_fused_kernels.py --family rope --results-dir "$RESULTS"
+  step 90 python benchmarks/bench_fused_kernels.py --family parity --results-dir "$RESULTS"
 fi
 if [ "$MODE" = "e2e" ]; then  # then, in what time is left, the families changed since the last run
   step 50 python benchmarks/bench_fused_kernels.py --family rope --results-dir "$RESULTS"
