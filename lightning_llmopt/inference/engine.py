@@ -267,7 +267,8 @@ class LLMEngine(EngineOutputs):
         if not items:  # nobody speculated: the plain path (every logit row is one sampled sequence's)
             self.scheduler.complete(sched)
             events = self._sample(work, logits)
-            self.spec.release({s.seq_id for s in self.scheduler.running})
+            if sched.preempted or any(e.finished for e in events):  # else every drafter state is still live
+                self.spec.release({s.seq_id for s in self.scheduler.running})
             return events
         spec_of = {id(it.work): it for it in items}
         plain_rows, plain_work, spec_rows = [], [], []

@@ -153,11 +153,12 @@ class SpeculativeDecoder:
         """Draft for the step's decodes and grow their work (see the module docstring); returns the speculating
         sequences."""
         decodes = [w for w in sched.work if w.num_tokens == 1 and w.samples and w.seq.num_output > 0]
-        if not decodes:
+        if not decodes or self.controller.idle(len(decodes)):
             return []
         left = self.budget - sched.num_tokens
         chosen: list[tuple[Work, int]] = []
-        for w, want in zip(decodes, self.controller.plan([w.seq.seq_id for w in decodes], len(decodes)), strict=True):
+        plan = self.controller.plan_active([w.seq.seq_id for w in decodes], len(decodes))
+        for w, want in zip(decodes, plan, strict=True):
             if want <= 0:
                 continue
             k = min(want, self._room(w.seq), left)

@@ -346,15 +346,17 @@ class AdaptiveDraftLength:
         ``min_gain``, no sequence's best ``k`` is searched and the whole batch probes together at backed-off
         intervals (class docstring); such a step costs the host a counter, where the per-sequence search cost
         about 6 us a sequence (CPU, under cProfile)."""
+        if self.idle(batch):
+            return [0] * len(seq_ids)
+        return self.plan_active(seq_ids, batch)
+
+    def plan_active(self, seq_ids: Sequence[int], batch: int) -> list[int]:
+        """:meth:`plan` for a step :meth:`idle` has already counted and found not idle (the engine asks :meth:`idle`
+        first, so an idle step costs it no per-sequence work)."""
         if not self.adaptive:
             return [self.max_k] * len(seq_ids)
         cost = self.token_cost(batch)
-        if self.best_k(1.0 - 1e-9, cost)[1] < self.min_gain:
-            self._hopeless_idle += 1
-            gap = self._hopeless_gap or self.probe_every
-            if self._hopeless_idle < gap:
-                return [0] * len(seq_ids)
-            self._hopeless_idle, self._hopeless_gap = 0, min(2 * gap, 16 * self.probe_every)
+        if self.best_k(1.0 - 1e-9, cost)[1] < self.min_gain:  # a probe step (idle() just reset its counter)
             return [1] * len(seq_ids)
         self._hopeless_idle = self._hopeless_gap = 0
         out = []
@@ -368,6 +370,22 @@ class AdaptiveDraftLength:
                 s.off_steps = 0
                 out.append(k)
         return out
+
+    def idle(self, batch: int) -> bool:
+        """Whether a decode step of ``batch`` sequences drafts nothing at all because the cost alone rules speculation
+        out and no probe is due (class docstring); counts the step. The caller may then skip :meth:`plan` and its
+        per-sequence work. When a probe is due, resets the interval (doubled, up to ``16 * probe_every``) and returns
+        False: :meth:`plan` then gives every sequence ``k = 1``."""
+        if not self.adaptive:
+            return False
+        if self.best_k(1.0 - 1e-9, self.token_cost(batch))[1] >= self.min_gain:
+            return False
+        self._hopeless_idle += 1
+        gap = self._hopeless_gap or self.probe_every
+        if self._hopeless_idle < gap:
+            return True
+        self._hopeless_idle, self._hopeless_gap = 0, min(2 * gap, 16 * self.probe_every)
+        return False
 
     def summary(self) -> dict[str, float]:
         fit = self.fitted()

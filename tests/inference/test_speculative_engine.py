@@ -132,3 +132,19 @@ def test_sampling_with_speculation_is_exact(model_factory):
     exp = torch.cat([expected[keep], expected[rest].sum()[None]])
     pval = stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
     assert pval > 0.01, pval
+
+
+def test_idle_steps_still_release_finished_sequences(model_factory, prompts_factory):
+    """With speculation ruled out by cost (draft_cost 50), steps draft nothing except the periodic probes, and the
+    engine skips releasing drafter state on steps where no sequence finished; every sequence that finishes on such a
+    step is still released, so no draft block leaks. Output stays token-identical to plain decoding."""
+    model = model_factory(seed=4)
+    spec = _spec("draft", model_factory, model, num_tokens=3, draft_cost=50.0, probe_every=2)
+    engine = LLMEngine(model, block_size=4, num_blocks=128, speculative=spec)
+    plain = LLMEngine(model, block_size=4, num_blocks=128)
+    prompts = prompts_factory([6, 11, 3, 9], 320, seed=8)
+    params = [SamplingParams(max_tokens=n) for n in (5, 17, 9, 12)]  # finishing on different steps
+    outs = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outs == [o.token_ids for o in plain.generate(prompts, params)]
+    assert engine.stats.spec_draft_tokens > 0  # the probes drafted
+    _all_blocks_back(engine)

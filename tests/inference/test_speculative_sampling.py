@@ -234,6 +234,9 @@ def test_plan_follows_the_documented_rule_in_both_paths():
     probes = [step for step in range(1, 200) if hopeless.plan([1, 2, 3], batch=3) == [1, 1, 1]]
     gaps = [b - a for a, b in zip([0, *probes], probes, strict=False)]
     assert gaps[:6] == [3, 6, 12, 24, 48, 48]  # capped at 16 * probe_every
+    split = trained(50.0)  # the engine's way: idle() first, plan_active() only for steps that are not idle
+    split_probes = [step for step in range(1, 200) if not split.idle(3) and split.plan_active([1, 2, 3], 3) == [1] * 3]
+    assert split_probes == probes
     cheap = AdaptiveDraftLength(max_k=4, draft_cost=50.0, probe_every=3)
     cheap.plan([1], batch=1)
     cheap.draft_cost = 0.05  # costs fell: back to per-sequence decisions, backoff reset
