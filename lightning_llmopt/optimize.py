@@ -45,6 +45,7 @@ from lightning_llmopt.models.config import FUSED_KERNELS
 __all__ = ["FUSED_KERNELS", "optimize_model"]
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_COUNTS = (*FUSED_KERNELS, "attention", "packed_qkv")  # the keys of ``model.llmopt_fused``
 
 
 def optimize_model(
@@ -98,7 +99,7 @@ def optimize_model(
         )
     previous = getattr(model, "llmopt_fused", {})
     model.llmopt_fused = {  # type: ignore[assignment]
-        k: previous.get(k, 0) + counts.get(k, 0) for k in (*FUSED_KERNELS, "attention", "packed_qkv")
+        k: previous.get(k, 0) + counts.get(k, 0) for k in _COUNTS
     }
     return model
 
@@ -129,7 +130,7 @@ def _optimize_llama(
     from lightning_llmopt.models.attention import registered_backends
     from lightning_llmopt.models.llama import Attention, FeedForward, RMSNorm
 
-    counts = dict.fromkeys((*FUSED_KERNELS, "attention", "packed_qkv"), 0)
+    counts = dict.fromkeys(_COUNTS, 0)
     if wanted["rmsnorm"]:
         counts["rmsnorm"] = _replace(
             model, lambda m: type(m) is RMSNorm, lambda m: FusedRMSNorm.from_module(m, backend=backend)
@@ -174,7 +175,7 @@ def _optimize_hf(
     from lightning_llmopt.layers.norms import FusedRMSNorm
 
     config: Any = model.config
-    counts = dict.fromkeys((*FUSED_KERNELS, "attention"), 0)
+    counts = dict.fromkeys(_COUNTS, 0)
     family = f"transformers.models.{config.model_type}."
     if wanted["rmsnorm"]:
         counts["rmsnorm"] = _replace(

@@ -95,6 +95,14 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _check_weight(x: Tensor, weight: Tensor) -> int:
+    """The normalized size ``D`` (x's last dim), after checking that ``weight`` is ``(D,)``."""
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} must be ({d},), the last dim of x {tuple(x.shape)}")
+    return d
+
+
 def rms_norm(
     x: Tensor, weight: Tensor, eps: float = 1e-5, *, out_dtype: torch.dtype | None = None, backend: str | None = None
 ) -> Tensor:
@@ -109,9 +117,7 @@ def rms_norm(
         eps: added to the mean square.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (default ``$LLMOPT_FUSED_BACKEND`` or ``"auto"``).
     """
-    d = x.shape[-1]
-    if weight.shape != (d,):
-        raise ValueError(f"weight shape {tuple(weight.shape)} must be ({d},), the last dim of x {tuple(x.shape)}")
+    d = _check_weight(x, weight)
     out_dtype = out_dtype or torch.promote_types(x.dtype, weight.dtype)
     if (
         resolve_backend(backend, x.device, "rms_norm", defer_to_compiler=True) == "reference"
@@ -202,9 +208,7 @@ def rms_norm_residual(
     norm's backward plus autograd's accumulation of the two gradients of ``x``. Values and gradients are those of
     ``rms_norm(x)`` with ``x`` used twice. Under ``torch.compile`` (the compiler fuses the accumulation itself), with
     the reference backend or without autograd: ``x`` itself and :func:`rms_norm`."""
-    d = x.shape[-1]
-    if weight.shape != (d,):
-        raise ValueError(f"weight shape {tuple(weight.shape)} must be ({d},), the last dim of x {tuple(x.shape)}")
+    d = _check_weight(x, weight)
     out_dtype = out_dtype or torch.promote_types(x.dtype, weight.dtype)
     if (
         torch.compiler.is_compiling()
@@ -212,7 +216,6 @@ def rms_norm_residual(
         or not (x.requires_grad or weight.requires_grad)
         or resolve_backend(backend, x.device, "rms_norm_residual", defer_to_compiler=True) == "reference"
         or any(t not in KERNEL_DTYPES for t in (x.dtype, weight.dtype, out_dtype))
-        or x.stride(-1) != 1
         or not x.is_contiguous()
     ):
         return x, rms_norm(x, weight, eps, out_dtype=out_dtype, backend=backend)
@@ -238,9 +241,7 @@ def add_rms_norm(
     """
     if x.shape != r.shape:
         raise ValueError(f"x {tuple(x.shape)} and r {tuple(r.shape)} must have the same shape")
-    d = x.shape[-1]
-    if weight.shape != (d,):
-        raise ValueError(f"weight shape {tuple(weight.shape)} must be ({d},), the last dim of x {tuple(x.shape)}")
+    d = _check_weight(x, weight)
     h_dtype = torch.promote_types(x.dtype, r.dtype)
     out_dtype = out_dtype or torch.promote_types(h_dtype, weight.dtype)
     if (
