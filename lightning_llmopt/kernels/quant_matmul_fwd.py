@@ -11,6 +11,12 @@ Two kernels, chosen per shape by :mod:`~lightning_llmopt.kernels.quant_matmul_tu
 - ``_qmv_kernel`` (batch 1, no tensor cores): one program owns ``BLOCK_N`` outputs and a slice of ``K``; codes are
   dequantized to fp32, multiplied by ``x`` and accumulated element-wise in a 2-D fp32 tile that is reduced once at
   the end, so there are no shared-memory operand shuffles and no reductions inside the loop.
+- ``_qmv_words_kernel`` (batch 1, the tuner's usual pick there): the same element-wise scheme over the codes'
+  int32 words, ``BLOCK_N x BLOCK_W`` words per step (8 int4 or 4 int8 codes each); code ``j`` of every word
+  becomes the fp32 ``OFFSET + q`` with one shift and one mask-or (``_word_code``) or, in fp16/bf16 on a GPU, with
+  one ``prmt`` of inline PTX (``_word_nibbles_asm``, ``_word_bytes_asm``), is multiplied by the ``j``-th column of
+  ``x`` and summed; ``(OFFSET + z) * sum(x)`` is subtracted once per tile. Tiles may span quantization groups
+  (scales then load per word), so ``BLOCK_K`` can be larger than the group and each program streams long rows.
 
 Codes become floats with exact bit tricks rather than integer-to-float conversions (a quarter of the ALU rate on
 Hopper): ``0x4B000000 | q`` is the fp32 ``2**23 + q``, and subtracting ``2**23 + z`` leaves ``q - z`` exactly; in
@@ -258,13 +264,139 @@ def _qmv_kernel(
         tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _word_code(w, J: tl.constexpr, BITS: tl.constexpr):
+    """Code ``J`` of each 32-bit word ``w`` as the fp32 ``OFFSET + q`` exactly, by moving it into a float's
+    mantissa: one shift and one mask-and-or per code. 4 bits: ``0x43000000 | q << 16`` is ``128 + q``; 8 bits:
+    ``0x43800000 | q << 15`` is ``256 + q`` (the smallest power of two whose mantissa step is one at that range, so
+    little is lost when ``(OFFSET + z) * sum(x)`` is subtracted)."""
+    if BITS == 4:
+        SHIFT: tl.constexpr = 16 - 4 * J
+        MASK: tl.constexpr = 0xF0000
+        MAGIC: tl.constexpr = 0x43000000
+    else:
+        SHIFT: tl.constexpr = 15 - 8 * J
+        MASK: tl.constexpr = 0x7F8000
+        MAGIC: tl.constexpr = 0x43800000
+    if SHIFT > 0:
+        t = w << SHIFT
+    elif SHIFT < 0:
+        t = w >> (-SHIFT)  # arithmetic shift: the sign bits land above the mask
+    else:
+        t = w
+    return ((t & MASK) | MAGIC).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _word_nibbles_asm(w):
+    """The eight 4-bit codes of each int32 word as fp32 ``128 + q`` with inline PTX (GPU only): two mask-ands and
+    a shift split even and odd nibbles into bytes, then one ``prmt`` per code writes the byte under the exponent
+    byte ``0x43`` (fp32 ``0x43000000 | q << 16``): 11 integer instructions per 8 codes instead of 15."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 lo, hi, m; mov.b32 m, 0x43000000; and.b32 lo, $8, 0x0F0F0F0F; shr.u32 hi, $8, 4; "
+        "and.b32 hi, hi, 0x0F0F0F0F; prmt.b32 $0, lo, m, 0x7044; prmt.b32 $1, hi, m, 0x7044; "
+        "prmt.b32 $2, lo, m, 0x7144; prmt.b32 $3, hi, m, 0x7144; prmt.b32 $4, lo, m, 0x7244; "
+        "prmt.b32 $5, hi, m, 0x7244; prmt.b32 $6, lo, m, 0x7344; prmt.b32 $7, hi, m, 0x7344; }",
+        "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _word_bytes_asm(w):
+    """The four 8-bit codes of each int32 word as fp32 ``32768 + q`` with one ``prmt`` each (GPU only): the code
+    byte goes under the exponent byte ``0x47`` (fp32 ``0x47000000 | q << 8``)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 m; mov.b32 m, 0x47000000; prmt.b32 $0, $4, m, 0x7404; prmt.b32 $1, $4, m, 0x7414; "
+        "prmt.b32 $2, $4, m, 0x7424; prmt.b32 $3, $4, m, 0x7434; }",
+        "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+# fmt: off
+@triton.jit
+def _qmv_words_kernel(
+    X, W, S, Z, Y,
+    N, K, K_SPLIT,
+    stride_wn, stride_sn,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+    TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # fmt: on
+    CPW: tl.constexpr = 32 // BITS  # codes per int32 word
+    OFFSET: tl.constexpr = 128 if BITS == 4 else 32768 if ASM else 256
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    n_mask = offs_n < N
+    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = offs_n.to(tl.int64) * stride_sn
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    words_k = K // CPW
+    zero = tl.full((BLOCK_N,), (1 << (BITS - 1)) + OFFSET, tl.float32)  # symmetric: OFFSET + 2**(bits-1)
+    if GROUP == 0:
+        if HAS_ZERO:
+            zero = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.float32) + OFFSET
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_W * CPW):
+        kw = k0 // CPW + offs_w
+        w_mask = kw < words_k
+        words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)
+        if GROUP == 0:
+            zw = zero[:, None]
+            s = 1.0
+        elif TILE_SCALE:  # the tile lies in one group
+            g = k0 // GROUP
+            if HAS_ZERO:
+                zero = tl.load(Z + s_rows + g, mask=n_mask, other=0).to(tl.float32) + OFFSET
+            zw = zero[:, None]
+            s = tl.load(S + s_rows + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        else:  # the tile spans groups: a scale (and zero point) per word
+            gw = s_rows[:, None] + ((kw * CPW) // GROUP)[None, :]
+            sw_mask = n_mask[:, None] & w_mask[None, :]
+            zw = zero[:, None]
+            if HAS_ZERO:
+                zw = tl.load(Z + gw, mask=sw_mask, other=0).to(tl.float32) + OFFSET
+            s = tl.load(S + gw, mask=sw_mask, other=0.0).to(tl.float32)
+        part = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        if ASM:
+            codes = _word_nibbles_asm(words) if BITS == 4 else _word_bytes_asm(words)
+            for j in tl.static_range(CPW):
+                xj = tl.load(X + kw * CPW + j, mask=w_mask, other=0.0).to(tl.float32)
+                x_sum += xj
+                part += codes[j] * xj[None, :]
+        for j in tl.static_range(0 if ASM else CPW):
+            xj = tl.load(X + kw * CPW + j, mask=w_mask, other=0.0).to(tl.float32)
+            if EXACT:
+                part += (_word_code(words, j, BITS) - zw) * xj[None, :]
+            else:
+                x_sum += xj
+                part += _word_code(words, j, BITS) * xj[None, :]
+        if not EXACT:
+            part -= zw * x_sum[None, :]
+        if GROUP == 0:
+            acc += part
+        else:
+            acc += part * s
+    out = tl.sum(acc, axis=1)
+    if GROUP == 0:
+        out = out * tl.load(S + s_rows, mask=n_mask, other=0.0).to(tl.float32)
+    if ATOMIC:
+        tl.atomic_add(Y + offs_n, out, mask=n_mask)
+    else:
+        tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=n_mask)
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """A launch configuration.
 
     Arguments:
-        kind: ``"mma"`` (tensor cores, any batch) or ``"gemv"`` (batch 1).
-        block_m, block_n, block_k: tile sizes (``block_m`` unused by ``"gemv"``); ``block_k`` divides the group.
+        kind: ``"mma"`` (tensor cores, any batch), ``"gemv"`` or ``"words"`` (batch 1).
+        block_m, block_n, block_k: tile sizes (``block_m`` unused by the batch-1 kernels); ``block_k`` divides the
+            group, except for ``"words"``, whose tiles may span groups.
         split_k: programs sharing an output tile along ``K`` (fp32 atomics when > 1).
         num_warps, num_stages: Triton launch options.
         center: ``"mma"`` only: subtract zero points per weight (exact) instead of ``(OFFSET + z) * sum(x)`` per tile.
@@ -293,9 +425,26 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
     atomic = splits > 1
     y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else x.new_empty((m, n))
     z_arg = zeros if zeros is not None else scales
-    if cfg.asm and (bits != 4 or zeros is not None or x.dtype != torch.bfloat16 or x.device.type != "cuda"):
+    if cfg.asm and cfg.kind != "words" and (bits != 4 or zeros is not None or x.dtype != torch.bfloat16
+                                            or x.device.type != "cuda"):
         raise ValueError("the inline-PTX path takes symmetric 4-bit codes and bf16 activations on a GPU")
-    if cfg.kind == "gemv":
+    if cfg.kind == "words":
+        cpw = 32 // bits
+        if m != 1 or k % cpw or cfg.block_k % cpw or w.stride(1) != 1 or w.shape[1] % 4 or w.stride(0) % 4:
+            raise ValueError(f"the words kernel takes one row and whole int32 words of codes, got M={m}, K={k}")
+        if cfg.asm and (x.dtype == torch.float32 or x.device.type != "cuda"):
+            raise ValueError("the words kernel's inline-PTX path takes fp16/bf16 activations on a GPU")
+        words = w.view(torch.int32)
+        # fmt: off
+        _qmv_words_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+            x, words, scales, z_arg, y, n, k, k_split, words.stride(0), scales.stride(0),
+            BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic,
+            TILE_SCALE=group > 0 and group % cfg.block_k == 0, EXACT=x.dtype == torch.float32, ASM=cfg.asm,
+            BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // cpw,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        # fmt: on
+    elif cfg.kind == "gemv":
         if m != 1:
             raise ValueError(f"the gemv kernel takes one row, got M={m}")
         # fmt: off

@@ -27,6 +27,15 @@ _GEMV = [
     ("gemv", 1, 16, 512, 2, 4, 3, True),
     ("gemv", 1, 64, 256, 4, 8, 3, True),
 ]
+# the int32-word batch-1 kernel: BLOCK_K in codes (its tiles may span groups); provisional, from first principles
+_WORDS = [  # from benchmarks/sweep_quant_gemv.py on an H100 (bf16, int4-g128 and int8 rows, 4096..28672)
+    ("words", 1, 8, 2048, 1, 4, 3, True),
+    ("words", 1, 8, 1024, 1, 2, 3, True),
+    ("words", 1, 8, 1024, 1, 4, 3, True),
+    ("words", 1, 16, 512, 1, 2, 3, True),
+    ("words", 1, 4, 2048, 1, 4, 2, True),
+    ("words", 1, 16, 1024, 1, 4, 3, True),
+]
 _DECODE = [
     ("mma", 16, 64, 128, 1, 4, 4, True),
     ("mma", 16, 32, 128, 1, 4, 4, True),
@@ -54,15 +63,17 @@ TIMINGS: dict[tuple, dict[KernelConfig, float]] = {}  # autotuning measurements 
 _FLUSH: dict[torch.device, Tensor] = {}
 
 
-def candidate_configs(m: int, k: int, group: int, asm: bool = False) -> list[KernelConfig]:
-    """Configurations tried for an ``m``-row call (``BLOCK_K`` clipped to the group, duplicates removed); ``asm``
-    adds inline-PTX variants of the tensor-core candidates (symmetric int4, bf16, GPU)."""
-    base = (_GEMV + _DECODE) if m == 1 else _DECODE if m <= 16 else _MID if m <= 64 else _LARGE
+def candidate_configs(m: int, k: int, group: int, asm: bool = False, words_asm: bool = False) -> list[KernelConfig]:
+    """Configurations tried for an ``m``-row call (``BLOCK_K`` clipped to the group except for ``"words"``,
+    duplicates removed); ``asm`` adds inline-PTX variants of the tensor-core candidates (symmetric int4, bf16, GPU),
+    ``words_asm`` those of the word kernel (fp16/bf16, GPU)."""
+    base = (_WORDS + _GEMV + _DECODE) if m == 1 else _DECODE if m <= 16 else _MID if m <= 64 else _LARGE
     out: list[KernelConfig] = []
     for kind, bm, bn, bk, split, warps, stages, center in base:
-        bk = min(bk, group) if group else bk
+        bk = min(bk, group) if group and kind != "words" else bk
         cfg = KernelConfig(kind, bm, bn, bk, max(1, min(split, k // bk)), warps, stages, center)
-        variants = [cfg] + ([replace(cfg, asm=True)] if asm and kind == "mma" and center else [])
+        with_asm = (asm and kind == "mma" and center) or (words_asm and kind == "words")
+        variants = [cfg] + ([replace(cfg, asm=True)] if with_asm else [])
         out.extend(c for c in variants if c not in out)
     return out
 
@@ -137,11 +148,13 @@ def choose_config(
     if key in TUNED:
         return TUNED[key]
     asm = bits == 4 and zeros is None and x.dtype == torch.bfloat16
-    candidates = candidate_configs(m, k, group, asm)
+    words_asm = x.dtype != torch.float32
+    candidates = candidate_configs(m, k, group, asm, words_asm)
+    fallback = next(c for c in candidates if c.kind != "words")  # takes every shape
     if torch.cuda.is_current_stream_capturing():
-        return candidates[0]
+        return fallback
     ref = _reference(x, w, scales, zeros, bits)
-    best, best_ms = candidates[0], float("inf")
+    best, best_ms = fallback, float("inf")
     for cfg in candidates:
         try:
             out = launch(x, w, scales, zeros, bits, group, cfg).float()

@@ -140,12 +140,42 @@ def test_kernel_bf16_on_gpu(M: int, bits: int, group: int | None, sym: bool) -> 
     _check(x, qw, scales.to(torch.bfloat16), zeros, bits, split_k=1 if M > 16 else 4)  # fixed configs: no autotuning
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("asm", [False, True])
+@pytest.mark.parametrize(
+    "bits, group, sym", [(4, 128, True), (4, 32, False), (4, None, True), (8, None, False), (8, 64, True)]
+)
+@pytest.mark.parametrize("block_k, split", [(256, 1), (1024, 2)])
+def test_words_kernel_half_precision_on_gpu(
+    asm: bool, bits: int, group: int | None, sym: bool, block_k: int, split: int
+) -> None:
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
+    from lightning_llmopt.quantization.packing import as_kernel_bytes
+
+    n, k = 300, 2048
+    qw, scales, zeros = _weights(n, k, bits, group, sym, seed=bits + block_k)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(split)).to(DEVICE, dtype)
+        cfg = KernelConfig("words", 1, 16, block_k, split, 4, 3, True, asm)
+        out = launch(x, as_kernel_bytes(qw, bits, k), scales.to(dtype), zeros, bits, group or 0, cfg)
+        ref = quant_matmul_ref(x.double(), qw, scales.to(dtype), zeros, bits)
+        same = quant_matmul_ref(x, qw, scales.to(dtype), zeros, bits, upcast=False)
+        err = (out.double() - ref).abs().max().item()
+        pt_err = (same.double() - ref).abs().max().item()
+        floor = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1.0)
+        assert err <= 2 * pt_err + floor, (dtype, err, pt_err)
+
+
 @pytest.mark.parametrize(
     "kind, center, bits, group, sym, M",
     [
         ("gemv", True, 4, 32, False, 1),  # batch-1 kernel, asymmetric groups
         ("gemv", True, 8, None, True, 1),  # batch-1 kernel, int8 per channel
         ("gemv", True, 4, 64, True, 1),
+        ("words", True, 4, 32, False, 1),  # batch-1 word kernel: one group per tile
+        ("words", True, 4, 16, False, 1),  # groups smaller than the tile: a scale and zero point per word
+        ("words", True, 8, None, True, 1),
+        ("words", True, 8, 16, True, 1),
         ("mma", False, 4, 32, False, 5),  # zero points folded as (OFFSET + z) * sum(x)
         ("mma", False, 8, None, False, 3),
     ],
