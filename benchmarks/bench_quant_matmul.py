@@ -82,17 +82,27 @@ def op(w: dict[str, Any]) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _check_configs(m: int, bits: int, group: int | None) -> dict[str, Any]:
-    """Kernel variants checked at batch ``m``: the batch-1 GEMV, the tensor-core kernel with exact centering, and
-    (int4 / fp16) the folded zero point; each with split-K 2."""
+    """Kernel variants checked at batch ``m``: the batch-1 GEMV and int32-word kernels (the latter with and without
+    inline PTX), the tensor-core kernel with exact centering, its transposed form (weights as the left operand,
+    double-buffered) and (int4 / fp16) the folded zero point; each with split-K 2."""
     from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig
 
     bk = min(128, group) if group else 128
     out = {"mma": KernelConfig("mma", 16 if m <= 16 else 64, 64, bk if m <= 16 else min(64, bk), 2, 4, 3, True)}
+    out["mma_t"] = KernelConfig("mma_t", 16, 128, bk, 2, 4, 3, True, prefetch=True)
     if m == 1:
         out["gemv"] = KernelConfig("gemv", 1, 32, bk, 2, 4, 3, True)
+        out["words"] = KernelConfig("words", 1, 8, 1024, 2, 4, 3, True, prefetch=True)
+        if device_has_asm():
+            out["words-asm"] = KernelConfig("words", 1, 8, 1024, 2, 4, 3, True, asm=True)
     if bits == 4 and m <= 16:
         out["mma-fold"] = KernelConfig("mma", 16, 64, bk, 2, 4, 3, False)
     return out
+
+
+def device_has_asm() -> bool:
+    """The inline-PTX variants need a CUDA device (the interpreter has no PTX)."""
+    return torch.cuda.is_available()
 
 
 def family_check(device: str, smoke: bool) -> list[dict[str, Any]]:

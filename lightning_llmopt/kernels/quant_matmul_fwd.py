@@ -97,61 +97,85 @@ def _nibbles_bf16_asm(b, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
+def _dot(a, b, acc, IEEE: tl.constexpr, SWAP: tl.constexpr):
+    """``acc + a @ b^T`` (``a`` activations, ``b`` weights); ``SWAP``: ``acc + b @ a^T`` (the transposed output,
+    weights as the left operand, which Hopper's wgmma can read from registers)."""
+    if SWAP:
+        lhs, rhs = b, tl.trans(a)
+    else:
+        lhs, rhs = a, tl.trans(b)
     if IEEE:
-        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(b), acc)
+        return tl.dot(lhs, rhs, acc, input_precision="ieee")
+    return tl.dot(lhs, rhs, acc)
+
+
+@triton.jit
+def _outer(x_vec, n_vec, SWAP: tl.constexpr):
+    """The ``(BLOCK_M, BLOCK_N)`` outer product of a per-row and a per-output vector (transposed if ``SWAP``)."""
+    if SWAP:
+        return n_vec[:, None] * x_vec[None, :]
+    return x_vec[:, None] * n_vec[None, :]
+
+
+@triton.jit
+def _load_tile(x_rows, w_rows, m_mask, n_mask, k0, k_end, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile's operands, masked to ``[k0, k_end)``: 4 bits: the even and odd input columns of ``x`` and the
+    code bytes ``(BLOCK_N, BLOCK_K / 2)``; 8 bits: ``x`` twice and the codes ``(BLOCK_N, BLOCK_K)``."""
+    if BITS == 4:
+        offs_e = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even input columns of the tile
+        x_mask = m_mask[:, None] & (offs_e[None, :] < k_end)
+        xa = tl.load(x_rows + offs_e[None, :], mask=x_mask, other=0.0)
+        xb = tl.load(x_rows + offs_e[None, :] + 1, mask=x_mask, other=0.0)
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < k_end // 2), other=0)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < k_end), other=0.0)
+        xb = xa
+        b = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < k_end), other=0)
+    return xa, xb, b
 
 
 @triton.jit
 def _tile_part(
-    x_rows,
-    w_rows,
-    offs_m,
-    m_mask,
-    n_mask,
+    xa,
+    xb,
+    b,
     z,
-    k0,
-    K,
     BITS: tl.constexpr,
     MODE: tl.constexpr,
     OFFSET: tl.constexpr,
     CENTER: tl.constexpr,
     ASM: tl.constexpr,
     IEEE: tl.constexpr,
+    SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
-    """``x[:, tile] @ (q - z)[:, tile]^T`` in fp32 for one K tile; ``z`` int32 ``(BLOCK_N,)``."""
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if BITS == 4:
-        offs_e = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even input columns of the tile
-        x_mask = m_mask[:, None] & (offs_e[None, :] < K)
-        x_even = tl.load(x_rows + offs_e[None, :], mask=x_mask, other=0.0)
-        x_odd = tl.load(x_rows + offs_e[None, :] + 1, mask=x_mask, other=0.0)
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        b = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < K // 2), other=0)
-        if ASM:
-            part = _dot(x_even, _nibbles_bf16_asm(b, False), part, IEEE)
-            part = _dot(x_odd, _nibbles_bf16_asm(b, True), part, IEEE)
-        elif CENTER:
-            part = _dot(x_even, _centered(b & 0xF, z[:, None], MODE), part, IEEE)
-            part = _dot(x_odd, _centered(b >> 4, z[:, None], MODE), part, IEEE)
-        else:
-            part = _dot(x_even, _offset_codes(b & 0xF, MODE), part, IEEE)
-            part = _dot(x_odd, _offset_codes(b >> 4, MODE), part, IEEE)
-            x_sum = tl.sum(x_even.to(tl.float32), axis=1) + tl.sum(x_odd.to(tl.float32), axis=1)
-            part -= x_sum[:, None] * (z + OFFSET).to(tl.float32)[None, :]
+    """``x[:, tile] @ (q - z)[:, tile]^T`` in fp32 for one K tile of :func:`_load_tile` (its transpose if
+    ``SWAP``); ``z`` int32 ``(BLOCK_N,)``."""
+    if SWAP:
+        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-        q = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0)
-        if CENTER or MODE == 2:  # 8-bit codes do not fit bf16's 7-bit mantissa: always centered in bf16
-            part = _dot(x, _centered(q, z[:, None], MODE), part, IEEE)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BITS == 4:
+        if ASM:
+            part = _dot(xa, _nibbles_bf16_asm(b, False), part, IEEE, SWAP)
+            part = _dot(xb, _nibbles_bf16_asm(b, True), part, IEEE, SWAP)
+        elif CENTER:
+            part = _dot(xa, _centered(b & 0xF, z[:, None], MODE), part, IEEE, SWAP)
+            part = _dot(xb, _centered(b >> 4, z[:, None], MODE), part, IEEE, SWAP)
         else:
-            part = _dot(x, _offset_codes(q, MODE), part, IEEE)
-            part -= tl.sum(x.to(tl.float32), axis=1)[:, None] * (z + OFFSET).to(tl.float32)[None, :]
+            part = _dot(xa, _offset_codes(b & 0xF, MODE), part, IEEE, SWAP)
+            part = _dot(xb, _offset_codes(b >> 4, MODE), part, IEEE, SWAP)
+            x_sum = tl.sum(xa.to(tl.float32), axis=1) + tl.sum(xb.to(tl.float32), axis=1)
+            part -= _outer(x_sum, (z + OFFSET).to(tl.float32), SWAP)
+    else:
+        if CENTER or MODE == 2:  # 8-bit codes do not fit bf16's 7-bit mantissa: always centered in bf16
+            part = _dot(xa, _centered(b, z[:, None], MODE), part, IEEE, SWAP)
+        else:
+            part = _dot(xa, _offset_codes(b, MODE), part, IEEE, SWAP)
+            part -= _outer(tl.sum(xa.to(tl.float32), axis=1), (z + OFFSET).to(tl.float32), SWAP)
     return part
 
 
@@ -162,8 +186,8 @@ def _qmm_kernel(
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, MODE: tl.constexpr,
-    OFFSET: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    OFFSET: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # fmt: on
     pid_mn = tl.program_id(0)
@@ -180,27 +204,42 @@ def _qmm_kernel(
     s_rows = offs_n.to(tl.int64) * stride_sn
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.int32)  # symmetric zero point
     if GROUP == 0:
         if HAS_ZERO:
             z = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.int32)
+    if PREFETCH:
+        xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k_start, k_end, BITS, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
+        if PREFETCH:  # the next tile's loads are in flight while this one is computed
+            xa_next, xb_next, b_next = _load_tile(x_rows, w_rows, m_mask, n_mask, k0 + BLOCK_K, k_end, BITS, BLOCK_K)
+        else:
+            xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k0, k_end, BITS, BLOCK_K)
         if GROUP != 0:
             g = k0 // GROUP
+            s = tl.load(S + s_rows + g, mask=n_mask, other=0.0).to(tl.float32)
             if HAS_ZERO:
                 z = tl.load(Z + s_rows + g, mask=n_mask, other=0).to(tl.int32)
-        part = _tile_part(x_rows, w_rows, offs_m, m_mask, n_mask, z, k0, K, BITS, MODE, OFFSET, CENTER, ASM, IEEE,
-                          BLOCK_M, BLOCK_N, BLOCK_K)
+        part = _tile_part(xa, xb, b, z, BITS, MODE, OFFSET, CENTER, ASM, IEEE, SWAP, BLOCK_M, BLOCK_N)
         if GROUP == 0:
             acc += part
         else:
-            s = tl.load(S + s_rows + g, mask=n_mask, other=0.0).to(tl.float32)
-            acc += part * s[None, :]
+            acc += part * (s[:, None] if SWAP else s[None, :])
+        if PREFETCH:
+            xa, xb, b = xa_next, xb_next, b_next
     if GROUP == 0:
-        acc = acc * tl.load(S + s_rows, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+        s = tl.load(S + s_rows, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc * (s[:, None] if SWAP else s[None, :])
+    if SWAP:
+        y_ptrs = Y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        mask = m_mask[None, :] & n_mask[:, None]
+    else:
+        y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
     if ATOMIC:
         tl.atomic_add(y_ptrs, acc, mask=mask)
     else:
@@ -319,7 +358,8 @@ def _qmv_words_kernel(
     N, K, K_SPLIT,
     stride_wn, stride_sn,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
-    TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     # fmt: on
     CPW: tl.constexpr = 32 // BITS  # codes per int32 word
@@ -333,16 +373,24 @@ def _qmv_words_kernel(
     s_rows = offs_n.to(tl.int64) * stride_sn
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    words_k = K // CPW
+    words_end = k_end // CPW
     zero = tl.full((BLOCK_N,), (1 << (BITS - 1)) + OFFSET, tl.float32)  # symmetric: OFFSET + 2**(bits-1)
     if GROUP == 0:
         if HAS_ZERO:
             zero = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.float32) + OFFSET
     acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    if PREFETCH:
+        kw = k_start // CPW + offs_w
+        words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < words_end)[None, :], other=0)
     for k0 in range(k_start, k_end, BLOCK_W * CPW):
         kw = k0 // CPW + offs_w
-        w_mask = kw < words_k
-        words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)
+        w_mask = kw < words_end
+        if PREFETCH:  # the next tile's words are in flight while this one is computed
+            kw_next = kw + BLOCK_W
+            words_next = tl.load(w_rows + kw_next[None, :], mask=n_mask[:, None] & (kw_next < words_end)[None, :],
+                                 other=0)
+        else:
+            words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)
         if GROUP == 0:
             zw = zero[:, None]
             s = 1.0
@@ -380,6 +428,8 @@ def _qmv_words_kernel(
             acc += part
         else:
             acc += part * s
+        if PREFETCH:
+            words = words_next
     out = tl.sum(acc, axis=1)
     if GROUP == 0:
         out = out * tl.load(S + s_rows, mask=n_mask, other=0.0).to(tl.float32)
@@ -394,13 +444,17 @@ class KernelConfig:
     """A launch configuration.
 
     Arguments:
-        kind: ``"mma"`` (tensor cores, any batch), ``"gemv"`` or ``"words"`` (batch 1).
+        kind: ``"mma"`` (tensor cores, any batch), ``"mma_t"`` (the same computing ``y^T = W x^T``: weights as
+            the left operand, small batches), ``"gemv"`` or ``"words"`` (batch 1).
         block_m, block_n, block_k: tile sizes (``block_m`` unused by the batch-1 kernels); ``block_k`` divides the
             group, except for ``"words"``, whose tiles may span groups.
         split_k: programs sharing an output tile along ``K`` (fp32 atomics when > 1).
         num_warps, num_stages: Triton launch options.
         center: ``"mma"`` only: subtract zero points per weight (exact) instead of ``(OFFSET + z) * sum(x)`` per tile.
-        asm: ``"mma"`` only, GPU only, symmetric 4-bit codes with bf16 activations: inline-PTX dequantization.
+        asm: ``"mma"``/``"mma_t"``: GPU only, symmetric 4-bit codes with bf16 activations: inline-PTX
+            dequantization; ``"words"``: fp16/bf16 on a GPU, ``prmt`` unpacking.
+        prefetch: ``"mma"``/``"mma_t"``/``"words"``: load the next K tile before computing the current one
+            (register double-buffering, for latency-bound small batches).
     """
 
     kind: str = "mma"
@@ -412,6 +466,7 @@ class KernelConfig:
     num_stages: int = 3
     center: bool = True
     asm: bool = False
+    prefetch: bool = False
 
 
 def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group: int,
@@ -440,6 +495,7 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
             x, words, scales, z_arg, y, n, k, k_split, words.stride(0), scales.stride(0),
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic,
             TILE_SCALE=group > 0 and group % cfg.block_k == 0, EXACT=x.dtype == torch.float32, ASM=cfg.asm,
+            PREFETCH=cfg.prefetch,
             BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // cpw,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -453,15 +509,18 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    else:
+    elif cfg.kind in ("mma", "mma_t"):
         mode = _MODES[x.dtype]
         _qmm_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)](
             x, w, scales, z_arg, y, m, n, k, k_split, x.stride(0), w.stride(0), scales.stride(0), y.stride(0),
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic, MODE=mode, OFFSET=_OFFSETS[mode],
-            CENTER=cfg.center, ASM=cfg.asm, IEEE=mode == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            CENTER=cfg.center, ASM=cfg.asm, IEEE=mode == 0, SWAP=cfg.kind == "mma_t", PREFETCH=cfg.prefetch,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         # fmt: on
+    else:
+        raise ValueError(f"unknown kernel kind {cfg.kind!r}: one of 'mma', 'mma_t', 'gemv', 'words'")
     return y.to(x.dtype) if atomic else y
 
 

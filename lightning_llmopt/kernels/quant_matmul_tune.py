@@ -27,14 +27,24 @@ _GEMV = [
     ("gemv", 1, 16, 512, 2, 4, 3, True),
     ("gemv", 1, 64, 256, 4, 8, 3, True),
 ]
-# the int32-word batch-1 kernel: BLOCK_K in codes (its tiles may span groups); provisional, from first principles
-_WORDS = [  # from benchmarks/sweep_quant_gemv.py on an H100 (bf16, int4-g128 and int8 rows, 4096..28672)
+# the int32-word batch-1 kernel: BLOCK_K in codes (its tiles may span groups); the best of
+# benchmarks/sweep_quant_gemv.py on an H100 (bf16, int4-g128 and int8 per channel, 4096x4096 to 28672x8192)
+_WORDS = [
     ("words", 1, 8, 2048, 1, 4, 3, True),
     ("words", 1, 8, 1024, 1, 2, 3, True),
     ("words", 1, 8, 1024, 1, 4, 3, True),
     ("words", 1, 16, 512, 1, 2, 3, True),
     ("words", 1, 4, 2048, 1, 4, 2, True),
     ("words", 1, 16, 1024, 1, 4, 3, True),
+]
+# tensor cores with the weights as the left operand (y^T = W x^T): BLOCK_N rows of W fill wgmma's M of 64; a ninth
+# field turns on the register double-buffering of the next K tile (benchmarks/sweep_quant_gemv.py --m 16)
+_SWAPPED = [
+    ("mma_t", 16, 128, 128, 4, 4, 3, True, True),
+    ("mma_t", 16, 128, 128, 2, 4, 3, True, True),
+    ("mma_t", 16, 64, 128, 4, 4, 3, True, False),
+    ("mma_t", 16, 64, 128, 1, 4, 4, True, False),
+    ("mma_t", 16, 128, 128, 1, 4, 3, True, False),
 ]
 _DECODE = [
     ("mma", 16, 64, 128, 1, 4, 4, True),
@@ -67,12 +77,16 @@ def candidate_configs(m: int, k: int, group: int, asm: bool = False, words_asm: 
     """Configurations tried for an ``m``-row call (``BLOCK_K`` clipped to the group except for ``"words"``,
     duplicates removed); ``asm`` adds inline-PTX variants of the tensor-core candidates (symmetric int4, bf16, GPU),
     ``words_asm`` those of the word kernel (fp16/bf16, GPU)."""
-    base = (_WORDS + _GEMV + _DECODE) if m == 1 else _DECODE if m <= 16 else _MID if m <= 64 else _LARGE
+    if m == 1:
+        base = _WORDS + _GEMV + _DECODE + _SWAPPED
+    else:
+        base = (_DECODE + _SWAPPED) if m <= 16 else _MID if m <= 64 else _LARGE
     out: list[KernelConfig] = []
-    for kind, bm, bn, bk, split, warps, stages, center in base:
+    for kind, bm, bn, bk, split, warps, stages, center, *prefetch in base:
         bk = min(bk, group) if group and kind != "words" else bk
-        cfg = KernelConfig(kind, bm, bn, bk, max(1, min(split, k // bk)), warps, stages, center)
-        with_asm = (asm and kind == "mma" and center) or (words_asm and kind == "words")
+        split = max(1, min(split, k // bk))
+        cfg = KernelConfig(kind, bm, bn, bk, split, warps, stages, center, prefetch=bool(prefetch and prefetch[0]))
+        with_asm = (asm and kind in ("mma", "mma_t") and center) or (words_asm and kind == "words")
         variants = [cfg] + ([replace(cfg, asm=True)] if with_asm else [])
         out.extend(c for c in variants if c not in out)
     return out

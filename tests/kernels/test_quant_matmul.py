@@ -145,7 +145,7 @@ def test_kernel_bf16_on_gpu(M: int, bits: int, group: int | None, sym: bool) -> 
 @pytest.mark.parametrize(
     "bits, group, sym", [(4, 128, True), (4, 32, False), (4, None, True), (8, None, False), (8, 64, True)]
 )
-@pytest.mark.parametrize("block_k, split", [(256, 1), (1024, 2)])
+@pytest.mark.parametrize("block_k, split", [(256, 1), (256, 2), (1024, 2)])
 def test_words_kernel_half_precision_on_gpu(
     asm: bool, bits: int, group: int | None, sym: bool, block_k: int, split: int
 ) -> None:
@@ -156,7 +156,34 @@ def test_words_kernel_half_precision_on_gpu(
     qw, scales, zeros = _weights(n, k, bits, group, sym, seed=bits + block_k)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(split)).to(DEVICE, dtype)
-        cfg = KernelConfig("words", 1, 16, block_k, split, 4, 3, True, asm)
+        cfg = KernelConfig("words", 1, 16, block_k, split, 4, 3, True, asm, prefetch=split > 1)
+        out = launch(x, as_kernel_bytes(qw, bits, k), scales.to(dtype), zeros, bits, group or 0, cfg)
+        ref = quant_matmul_ref(x.double(), qw, scales.to(dtype), zeros, bits)
+        same = quant_matmul_ref(x, qw, scales.to(dtype), zeros, bits, upcast=False)
+        err = (out.double() - ref).abs().max().item()
+        pt_err = (same.double() - ref).abs().max().item()
+        floor = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1.0)
+        assert err <= 2 * pt_err + floor, (dtype, err, pt_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("asm", [False, True])
+@pytest.mark.parametrize("bits, group, sym", [(4, 128, True), (4, 32, False), (8, None, False), (8, 64, True)])
+@pytest.mark.parametrize("M, block_n, split", [(1, 64, 1), (7, 128, 2), (16, 64, 4), (33, 128, 1)])
+def test_swapped_mma_half_precision_on_gpu(
+    asm: bool, bits: int, group: int | None, sym: bool, M: int, block_n: int, split: int
+) -> None:
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
+    from lightning_llmopt.quantization.packing import as_kernel_bytes
+
+    if asm and (bits != 4 or not sym):
+        pytest.skip("the inline-PTX tensor-core path takes symmetric 4-bit codes")
+    n, k = 300, 1024
+    qw, scales, zeros = _weights(n, k, bits, group, sym, seed=bits + M)
+    dtypes = (torch.bfloat16,) if asm else (torch.bfloat16, torch.float16)
+    for dtype in dtypes:
+        x = torch.randn(M, k, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+        cfg = KernelConfig("mma_t", 16, block_n, min(128, group or 128), split, 4, 3, True, asm, prefetch=split > 1)
         out = launch(x, as_kernel_bytes(qw, bits, k), scales.to(dtype), zeros, bits, group or 0, cfg)
         ref = quant_matmul_ref(x.double(), qw, scales.to(dtype), zeros, bits)
         same = quant_matmul_ref(x, qw, scales.to(dtype), zeros, bits, upcast=False)
@@ -178,6 +205,10 @@ def test_words_kernel_half_precision_on_gpu(
         ("words", True, 8, 16, True, 1),
         ("mma", False, 4, 32, False, 5),  # zero points folded as (OFFSET + z) * sum(x)
         ("mma", False, 8, None, False, 3),
+        ("mma_t", True, 4, 32, False, 5),  # transposed output: weights as the left operand
+        ("mma_t", True, 4, None, True, 1),
+        ("mma_t", False, 8, None, False, 3),
+        ("mma_t", False, 4, 16, True, 17),
     ],
 )
 def test_kernel_variants(kind: str, center: bool, bits: int, group: int | None, sym: bool, M: int) -> None:
@@ -189,7 +220,8 @@ def test_kernel_variants(kind: str, center: bool, bits: int, group: int | None, 
     for dtype in (torch.float32, torch.float16):
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
         for split in (1, 2):
-            cfg = KernelConfig(kind, 16, 16, min(32, group or 32), split, 4, 1, center)
+            prefetch = split == 2 or M == 17  # the double-buffered loop, including over a split's boundary
+            cfg = KernelConfig(kind, 16, 16, min(32, group or 32), split, 4, 1, center, prefetch=prefetch)
             out = launch(x, as_kernel_bytes(qw, bits, K), scales, zeros, bits, 0 if group is None else group, cfg)
             ref = quant_matmul_ref(x.double(), qw, scales, zeros, bits)
             same = quant_matmul_ref(x, qw, scales, zeros, bits, upcast=False)
