@@ -208,7 +208,7 @@ def test_swapped_mma_half_precision_on_gpu(
         ("mma_t", True, 4, 32, False, 5),  # transposed output: weights as the left operand
         ("mma_t", True, 4, None, True, 1),
         ("mma_t", False, 8, None, False, 3),
-        ("mma_t", False, 4, 16, True, 17),
+        ("mma_t", False, 4, 32, True, 17),
     ],
 )
 def test_kernel_variants(kind: str, center: bool, bits: int, group: int | None, sym: bool, M: int) -> None:
