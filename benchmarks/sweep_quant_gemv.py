@@ -66,13 +66,14 @@ def grid(kind: str, bits: int, group: int, quick: bool) -> list[KernelConfig]:
         shapes = [(64, 4), (128, 4)] if quick else [(64, 4), (128, 4), (128, 8)]
         block_k = [min(bk, group or bk) for bk in ((128,) if quick else (128, 256))]
         asm = (False, True) if bits == 4 else (False,)
+        modes = [(False, False), (True, False)] + ([(False, True)] if bits == 4 else [])  # (prefetch, x_split)
         return [
-            KernelConfig("mma_t", 16, bn, bk, sk, w, st, True, a, pf)
-            for (bn, w), bk, sk, st, a, pf in itertools.product(shapes, block_k, (1, 2, 4), (3, 4), asm, (False, True))
+            KernelConfig("mma_t", 16, bn, bk, sk, w, st, True, a, pf, xs)
+            for (bn, w), bk, sk, st, a, (pf, xs) in itertools.product(shapes, block_k, (1, 2, 4), (3, 4), asm, modes)
         ]
     block_n = (4, 8, 16)
     block_k = (1024,) if quick else (1024, 2048) if bits == 4 else (512, 1024, 2048)
-    splits = (1,)
+    splits = (1, 2) if quick else (1, 2, 4)
     warps = (2, 4, 8)
     stages = (3,) if quick else (2, 3, 4)
     asm = (False, True)

@@ -118,14 +118,24 @@ def _outer(x_vec, n_vec, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(x_rows, w_rows, m_mask, n_mask, k0, k_end, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load_tile(
+    x_rows, w_rows, m_mask, n_mask, k0, k_end, K, BITS: tl.constexpr, X_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """One K tile's operands, masked to ``[k0, k_end)``: 4 bits: the even and odd input columns of ``x`` and the
-    code bytes ``(BLOCK_N, BLOCK_K / 2)``; 8 bits: ``x`` twice and the codes ``(BLOCK_N, BLOCK_K)``."""
+    code bytes ``(BLOCK_N, BLOCK_K / 2)``; 8 bits: ``x`` twice and the codes ``(BLOCK_N, BLOCK_K)``. ``X_SPLIT``
+    (4 bits): ``x`` rows hold their even columns then their odd ones, so both loads are contiguous (and the
+    compiler's pipeliner can turn them into asynchronous copies)."""
     if BITS == 4:
-        offs_e = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even input columns of the tile
-        x_mask = m_mask[:, None] & (offs_e[None, :] < k_end)
-        xa = tl.load(x_rows + offs_e[None, :], mask=x_mask, other=0.0)
-        xb = tl.load(x_rows + offs_e[None, :] + 1, mask=x_mask, other=0.0)
+        if X_SPLIT:
+            offs_h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            x_mask = m_mask[:, None] & (offs_h[None, :] < k_end // 2)
+            xa = tl.load(x_rows + offs_h[None, :], mask=x_mask, other=0.0)
+            xb = tl.load(x_rows + K // 2 + offs_h[None, :], mask=x_mask, other=0.0)
+        else:
+            offs_e = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even input columns of the tile
+            x_mask = m_mask[:, None] & (offs_e[None, :] < k_end)
+            xa = tl.load(x_rows + offs_e[None, :], mask=x_mask, other=0.0)
+            xb = tl.load(x_rows + offs_e[None, :] + 1, mask=x_mask, other=0.0)
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         b = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < k_end // 2), other=0)
     else:
@@ -187,7 +197,7 @@ def _qmm_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, MODE: tl.constexpr,
     OFFSET: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, X_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # fmt: on
     pid_mn = tl.program_id(0)
@@ -213,12 +223,14 @@ def _qmm_kernel(
         if HAS_ZERO:
             z = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.int32)
     if PREFETCH:
-        xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k_start, k_end, BITS, BLOCK_K)
+        xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k_start, k_end, K, BITS, X_SPLIT, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         if PREFETCH:  # the next tile's loads are in flight while this one is computed
-            xa_next, xb_next, b_next = _load_tile(x_rows, w_rows, m_mask, n_mask, k0 + BLOCK_K, k_end, BITS, BLOCK_K)
+            xa_next, xb_next, b_next = _load_tile(
+                x_rows, w_rows, m_mask, n_mask, k0 + BLOCK_K, k_end, K, BITS, X_SPLIT, BLOCK_K
+            )
         else:
-            xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k0, k_end, BITS, BLOCK_K)
+            xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k0, k_end, K, BITS, X_SPLIT, BLOCK_K)
         if GROUP != 0:
             g = k0 // GROUP
             s = tl.load(S + s_rows + g, mask=n_mask, other=0.0).to(tl.float32)
@@ -455,6 +467,8 @@ class KernelConfig:
             dequantization; ``"words"``: fp16/bf16 on a GPU, ``prmt`` unpacking.
         prefetch: ``"mma"``/``"mma_t"``/``"words"``: load the next K tile before computing the current one
             (register double-buffering, for latency-bound small batches).
+        x_split: ``"mma"``/``"mma_t"`` with 4-bit codes: reorder ``x`` to its even then odd columns first (one small
+            copy) so the kernel's activation loads are contiguous and pipelined.
     """
 
     kind: str = "mma"
@@ -467,6 +481,7 @@ class KernelConfig:
     center: bool = True
     asm: bool = False
     prefetch: bool = False
+    x_split: bool = False
 
 
 def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group: int,
@@ -511,11 +526,14 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         )
     elif cfg.kind in ("mma", "mma_t"):
         mode = _MODES[x.dtype]
+        x_split = bits == 4 and cfg.x_split
+        if x_split:  # even columns then odd ones: contiguous activation tiles for the two nibble planes
+            x = x.unflatten(1, (k // 2, 2)).transpose(1, 2).reshape(m, k)
         _qmm_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)](
             x, w, scales, z_arg, y, m, n, k, k_split, x.stride(0), w.stride(0), scales.stride(0), y.stride(0),
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic, MODE=mode, OFFSET=_OFFSETS[mode],
             CENTER=cfg.center, ASM=cfg.asm, IEEE=mode == 0, SWAP=cfg.kind == "mma_t", PREFETCH=cfg.prefetch,
-            BLOCK_M=cfg.block_m,
+            X_SPLIT=x_split, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         # fmt: on

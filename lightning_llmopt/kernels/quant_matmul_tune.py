@@ -36,6 +36,10 @@ _WORDS = [
     ("words", 1, 16, 512, 1, 2, 3, True),
     ("words", 1, 4, 2048, 1, 4, 2, True),
     ("words", 1, 16, 1024, 1, 4, 3, True),
+    ("words", 1, 8, 1024, 2, 4, 3, True),  # split-K: more programs for the shorter shapes
+    ("words", 1, 8, 512, 2, 2, 3, True),
+    ("words", 1, 16, 512, 2, 4, 3, True),
+    ("words", 1, 8, 512, 4, 2, 3, True),
 ]
 # tensor cores with the weights as the left operand (y^T = W x^T): BLOCK_N rows of W fill wgmma's M of 64; a ninth
 # field turns on the register double-buffering of the next K tile (benchmarks/sweep_quant_gemv.py --m 16)
@@ -73,10 +77,13 @@ TIMINGS: dict[tuple, dict[KernelConfig, float]] = {}  # autotuning measurements 
 _FLUSH: dict[torch.device, Tensor] = {}
 
 
-def candidate_configs(m: int, k: int, group: int, asm: bool = False, words_asm: bool = False) -> list[KernelConfig]:
+def candidate_configs(
+    m: int, k: int, group: int, asm: bool = False, words_asm: bool = False, x_split: bool = False
+) -> list[KernelConfig]:
     """Configurations tried for an ``m``-row call (``BLOCK_K`` clipped to the group except for ``"words"``,
     duplicates removed); ``asm`` adds inline-PTX variants of the tensor-core candidates (symmetric int4, bf16, GPU),
-    ``words_asm`` those of the word kernel (fp16/bf16, GPU)."""
+    ``words_asm`` those of the word kernel (fp16/bf16, GPU), ``x_split`` (4-bit codes, ``m > 1``) variants of the
+    tensor-core candidates without ``prefetch`` that reorder ``x`` for pipelined activation loads."""
     if m == 1:
         base = _WORDS + _GEMV + _DECODE + _SWAPPED
     else:
@@ -88,6 +95,8 @@ def candidate_configs(m: int, k: int, group: int, asm: bool = False, words_asm: 
         cfg = KernelConfig(kind, bm, bn, bk, split, warps, stages, center, prefetch=bool(prefetch and prefetch[0]))
         with_asm = (asm and kind in ("mma", "mma_t") and center) or (words_asm and kind == "words")
         variants = [cfg] + ([replace(cfg, asm=True)] if with_asm else [])
+        if x_split and m > 1 and kind in ("mma", "mma_t") and not cfg.prefetch:
+            variants += [replace(c, x_split=True) for c in variants]
         out.extend(c for c in variants if c not in out)
     return out
 
@@ -163,7 +172,7 @@ def choose_config(
         return TUNED[key]
     asm = bits == 4 and zeros is None and x.dtype == torch.bfloat16
     words_asm = x.dtype != torch.float32
-    candidates = candidate_configs(m, k, group, asm, words_asm)
+    candidates = candidate_configs(m, k, group, asm, words_asm, x_split=bits == 4)
     fallback = next(c for c in candidates if c.kind != "words")  # takes every shape
     if torch.cuda.is_current_stream_capturing():
         return fallback

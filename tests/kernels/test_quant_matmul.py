@@ -183,7 +183,9 @@ def test_swapped_mma_half_precision_on_gpu(
     dtypes = (torch.bfloat16,) if asm else (torch.bfloat16, torch.float16)
     for dtype in dtypes:
         x = torch.randn(M, k, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
-        cfg = KernelConfig("mma_t", 16, block_n, min(128, group or 128), split, 4, 3, True, asm, prefetch=split > 1)
+        cfg = KernelConfig(
+            "mma_t", 16, block_n, min(128, group or 128), split, 4, 3, True, asm, prefetch=split > 1, x_split=split == 1
+        )
         out = launch(x, as_kernel_bytes(qw, bits, k), scales.to(dtype), zeros, bits, group or 0, cfg)
         ref = quant_matmul_ref(x.double(), qw, scales.to(dtype), zeros, bits)
         same = quant_matmul_ref(x, qw, scales.to(dtype), zeros, bits, upcast=False)
@@ -221,7 +223,10 @@ def test_kernel_variants(kind: str, center: bool, bits: int, group: int | None, 
         x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
         for split in (1, 2):
             prefetch = split == 2 or M == 17  # the double-buffered loop, including over a split's boundary
-            cfg = KernelConfig(kind, 16, 16, min(32, group or 32), split, 4, 1, center, prefetch=prefetch)
+            x_split = kind != "gemv" and kind != "words" and not prefetch and bits == 4  # reordered activations
+            cfg = KernelConfig(
+                kind, 16, 16, min(32, group or 32), split, 4, 1, center, prefetch=prefetch, x_split=x_split
+            )
             out = launch(x, as_kernel_bytes(qw, bits, K), scales, zeros, bits, 0 if group is None else group, cfg)
             ref = quant_matmul_ref(x.double(), qw, scales, zeros, bits)
             same = quant_matmul_ref(x, qw, scales, zeros, bits, upcast=False)
