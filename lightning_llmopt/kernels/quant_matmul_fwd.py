@@ -25,7 +25,9 @@ bf16 the upper 16 bits of that small integer are its exact bf16 (the ``CENTER`` 
 weights (``ASM``). Alternatively (``CENTER = False``) the offset codes ``0x4300 | q`` (bf16 ``128 + q``, 4-bit codes) or
 ``1024 + q`` (fp16) enter the dot directly and ``(OFFSET + z) * sum(x)`` is subtracted per tile. The group scale
 multiplies the fp32 partial sum once per group (``BLOCK_K`` divides the group size), per-channel scales once after
-the loop. Split-K programs (``grid[1]``) add their partial sums into an fp32 buffer with atomics.
+the loop. Split-K programs (``grid[1]``) of the tensor-core and word kernels write fp32 partials to their own slices
+of a scratch buffer and the last program of each tile to finish sums them and writes the output (no zeroed buffer,
+no conversion kernel, deterministic order); the GEMV kernel's add into an fp32 buffer with atomics.
 """
 
 from __future__ import annotations
@@ -189,13 +191,31 @@ def _tile_part(
     return part
 
 
+@triton.jit
+def _split_fixup(acc, Y, y_ptrs, p_ptrs, slice_stride, mask, counter):
+    """Split-K without a zeroed fp32 output: each of the ``num_programs(1)`` programs sharing an output tile stores
+    its fp32 partial in its own slice of a scratch buffer and counts itself in; the last to arrive sums the slices
+    in split order (deterministic), writes the output in ``Y``'s dtype and resets the counter for the next call."""
+    pid_k = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    tl.store(p_ptrs + pid_k * slice_stride, acc, mask=mask, cache_modifier=".wt")
+    tl.debug_barrier()  # every thread's partial is written before the tile is counted
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == n_splits - 1:
+        total = tl.zeros_like(acc)
+        for split in range(0, n_splits):
+            total += tl.load(p_ptrs + split * slice_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter, 0)
+
+
 # fmt: off
 @triton.jit(do_not_specialize=["M"])
 def _qmm_kernel(
-    X, W, S, Z, Y,
+    X, W, S, Z, Y, P, C,
     M, N, K, K_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr, MODE: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FIXUP: tl.constexpr, MODE: tl.constexpr,
     OFFSET: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr,
     PREFETCH: tl.constexpr, X_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -248,12 +268,14 @@ def _qmm_kernel(
         acc = acc * (s[:, None] if SWAP else s[None, :])
     if SWAP:
         y_ptrs = Y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        p_ptrs = P + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         mask = m_mask[None, :] & n_mask[:, None]
     else:
         y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        p_ptrs = P + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
+    if FIXUP:
+        _split_fixup(acc, Y, y_ptrs, p_ptrs, M.to(tl.int64) * N, mask, C + pid_mn)
     else:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
 
@@ -366,10 +388,10 @@ def _word_bytes_asm(w):
 # fmt: off
 @triton.jit
 def _qmv_words_kernel(
-    X, W, S, Z, Y,
+    X, W, S, Z, Y, P, C,
     N, K, K_SPLIT,
     stride_wn, stride_sn,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, ATOMIC: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FIXUP: tl.constexpr,
     TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
@@ -445,10 +467,24 @@ def _qmv_words_kernel(
     out = tl.sum(acc, axis=1)
     if GROUP == 0:
         out = out * tl.load(S + s_rows, mask=n_mask, other=0.0).to(tl.float32)
-    if ATOMIC:
-        tl.atomic_add(Y + offs_n, out, mask=n_mask)
+    if FIXUP:
+        _split_fixup(out, Y, Y + offs_n, P + offs_n, N, n_mask, C + pid_n)
     else:
         tl.store(Y + offs_n, out.to(Y.dtype.element_ty), mask=n_mask)
+
+
+_COUNTERS: dict[tuple, Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> Tensor:
+    """Zeroed int32 arrival counters for :func:`_split_fixup`, one buffer per device and stream (kernels on one
+    stream run in order, and each leaves its counters at zero)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = _COUNTERS[key] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+    return buf
 
 
 @dataclass(frozen=True)
@@ -460,7 +496,8 @@ class KernelConfig:
             the left operand, small batches), ``"gemv"`` or ``"words"`` (batch 1).
         block_m, block_n, block_k: tile sizes (``block_m`` unused by the batch-1 kernels); ``block_k`` divides the
             group, except for ``"words"``, whose tiles may span groups.
-        split_k: programs sharing an output tile along ``K`` (fp32 atomics when > 1).
+        split_k: programs sharing an output tile along ``K`` (when > 1: the last one sums the others' partials;
+            fp32 atomics for ``"gemv"``).
         num_warps, num_stages: Triton launch options.
         center: ``"mma"`` only: subtract zero points per weight (exact) instead of ``(OFFSET + z) * sum(x)`` per tile.
         asm: ``"mma"``/``"mma_t"``: GPU only, symmetric 4-bit codes with bf16 activations: inline-PTX
@@ -492,8 +529,10 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
     n = w.shape[0]
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_split)
-    atomic = splits > 1
+    atomic = splits > 1 and cfg.kind == "gemv"  # fp32 atomics into a zeroed buffer
+    fixup = splits > 1 and not atomic  # partial slices, summed by the tile's last program (_split_fixup)
     y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else x.new_empty((m, n))
+    partials = torch.empty((splits, m, n), device=x.device, dtype=torch.float32) if fixup else y
     z_arg = zeros if zeros is not None else scales
     if cfg.asm and cfg.kind != "words" and (bits != 4 or zeros is not None or x.dtype != torch.bfloat16
                                             or x.device.type != "cuda"):
@@ -506,9 +545,11 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
             raise ValueError("the words kernel's inline-PTX path takes fp16/bf16 activations on a GPU")
         words = w.view(torch.int32)
         # fmt: off
-        _qmv_words_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-            x, words, scales, z_arg, y, n, k, k_split, words.stride(0), scales.stride(0),
-            BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic,
+        tiles = triton.cdiv(n, cfg.block_n)
+        counters = _split_counters(x.device, tiles) if fixup else y
+        _qmv_words_kernel[(tiles, splits)](
+            x, words, scales, z_arg, y, partials, counters, n, k, k_split, words.stride(0), scales.stride(0),
+            BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, FIXUP=fixup,
             TILE_SCALE=group > 0 and group % cfg.block_k == 0, EXACT=x.dtype == torch.float32, ASM=cfg.asm,
             PREFETCH=cfg.prefetch,
             BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // cpw,
@@ -529,9 +570,12 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         x_split = bits == 4 and cfg.x_split
         if x_split:  # even columns then odd ones: contiguous activation tiles for the two nibble planes
             x = x.unflatten(1, (k // 2, 2)).transpose(1, 2).reshape(m, k)
-        _qmm_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)](
-            x, w, scales, z_arg, y, m, n, k, k_split, x.stride(0), w.stride(0), scales.stride(0), y.stride(0),
-            BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic, MODE=mode, OFFSET=_OFFSETS[mode],
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        counters = _split_counters(x.device, tiles) if fixup else y
+        _qmm_kernel[(tiles, splits)](
+            x, w, scales, z_arg, y, partials, counters, m, n, k, k_split, x.stride(0), w.stride(0), scales.stride(0),
+            y.stride(0),
+            BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, FIXUP=fixup, MODE=mode, OFFSET=_OFFSETS[mode],
             CENTER=cfg.center, ASM=cfg.asm, IEEE=mode == 0, SWAP=cfg.kind == "mma_t", PREFETCH=cfg.prefetch,
             X_SPLIT=x_split, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -195,6 +195,47 @@ def test_swapped_mma_half_precision_on_gpu(
         assert err <= 2 * pt_err + floor, (dtype, err, pt_err)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, M", [("words", 1), ("mma", 16), ("mma_t", 5)])
+def test_split_k_fixup_repeated_and_in_cuda_graphs(kind: str, M: int) -> None:
+    """The last program of each split-K tile sums the partials and resets its counter: many calls in a row, with
+    different split counts and tile counts, and replays of one captured graph, all give the same exact result."""
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
+    from lightning_llmopt.quantization.packing import as_kernel_bytes
+
+    n, k, bits, group = 520, 2048, 4, 128
+    qw, scales, _ = _weights(n, k, bits, group, True, seed=M)
+    w, scales = as_kernel_bytes(qw, bits, k), scales.to(torch.bfloat16)
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    ref = quant_matmul_ref(x.double(), qw, scales, None, bits)
+    results = {}
+    for rep in range(3):
+        for split in (2, 3, 4, 8):
+            block_k = 256 if kind == "words" else 128
+            cfg = KernelConfig(kind, 16, 16 if kind == "words" else 64, block_k, split, 4, 3, True)
+            out = launch(x, w, scales, None, bits, group, cfg)
+            rel = ((out.double() - ref).norm() / ref.norm()).item()
+            assert rel < 1e-2, (split, rel)
+            if rep == 0:
+                results[split] = out.clone()
+            else:  # the partials are summed in split order: bitwise repeatable
+                assert torch.equal(out, results[split]), split
+    cfg = KernelConfig(kind, 16, 16 if kind == "words" else 64, 128, 4, 4, 3, True)
+    expected = launch(x, w, scales, None, bits, group, cfg)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        launch(x, w, scales, None, bits, group, cfg)  # the counters of this stream exist before the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = launch(x, w, scales, None, bits, group, cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected)
+
+
 @pytest.mark.parametrize(
     "kind, center, bits, group, sym, M",
     [
