@@ -478,12 +478,13 @@ _COUNTERS: dict[tuple, Tensor] = {}
 
 def _split_counters(device: torch.device, tiles: int) -> Tensor:
     """Zeroed int32 arrival counters for :func:`_split_fixup`, one buffer per device and stream (kernels on one
-    stream run in order, and each leaves its counters at zero)."""
+    stream run in order, and each leaves its counters at zero). A CUDA graph keeps the buffer of the stream it was
+    captured on: graphs captured on one stream must not be replayed concurrently on different streams."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < tiles:
-        buf = _COUNTERS[key] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        buf = _COUNTERS[key] = torch.zeros(max(tiles, 1 << 12), dtype=torch.int32, device=device)
     return buf
 
 
