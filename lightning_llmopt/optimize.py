@@ -227,16 +227,47 @@ def _fused_apply_rotary_pos_emb(original: Callable, backend: str | None) -> Call
 
 def _patch_hf_rope(module: nn.Module, backend: str | None) -> bool:
     """Rebind ``module.forward`` to its class's code with a fused ``apply_rotary_pos_emb``; False if not applicable."""
-    fn = type(module).forward
-    code = getattr(fn, "__code__", None)
-    if code is None or "apply_rotary_pos_emb" not in code.co_names or "forward" in vars(module):
+    if "forward" in vars(module):
         return False
+    patched = _with_fused_rope(type(module).forward, backend)
+    if patched is None:
+        return False
+    module.forward = types.MethodType(patched, module)  # type: ignore[method-assign]
+    return True
+
+
+def _with_fused_rope(fn: Callable, backend: str | None) -> Callable | None:
+    """A copy of ``fn`` whose code sees the fused ``apply_rotary_pos_emb``; None if its code never calls it.
+
+    A decorated forward (transformers >= 5.2x wraps attention forwards in ``deprecate_kwarg``) is copied with the
+    copy of the function it wraps in place of the original, so the decorator's behaviour stays.
+    """
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is not None:
+        patched_inner = _with_fused_rope(inner, backend)
+        closure = getattr(fn, "__closure__", None) or ()
+        cells = [types.CellType(patched_inner) if _cell_holds(c, inner) else c for c in closure]
+        if patched_inner is None or not any(_cell_holds(c, inner) for c in closure):
+            return None
+        wrapper = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+        wrapper.__kwdefaults__ = fn.__kwdefaults__
+        wrapper.__dict__.update({**fn.__dict__, "__wrapped__": patched_inner})
+        return wrapper
+    code = getattr(fn, "__code__", None)
+    if code is None or "apply_rotary_pos_emb" not in code.co_names:
+        return None
     scope = dict(fn.__globals__)
     scope["apply_rotary_pos_emb"] = _fused_apply_rotary_pos_emb(fn.__globals__["apply_rotary_pos_emb"], backend)
     patched = types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     patched.__kwdefaults__ = fn.__kwdefaults__
-    module.forward = types.MethodType(patched, module)  # type: ignore[method-assign]
-    return True
+    return patched
+
+
+def _cell_holds(cell: Any, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def _hf_causal_lm_forward(

@@ -40,6 +40,17 @@ def dist_pool() -> Iterator[Callable[..., DistributedPool]]:
     close_all_pools()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts without ``MASTER_PORT``.
+
+    Lightning's single-process strategies set ``MASTER_PORT`` in this process on first use and reuse it; a worker
+    pool created afterwards can be handed that very port by the OS for its store (the earlier process group has let
+    it go), and the next Trainer test then fails with EADDRINUSE. Without the variable Lightning picks a free port.
+    """
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+
+
 @pytest.fixture
 def triton_interpret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Run kernels decorated during the test in the Triton interpreter; skip if Triton is not installed.

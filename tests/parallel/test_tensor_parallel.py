@@ -168,17 +168,32 @@ def _tp_train(runs: list[tuple[str, dict[str, Any], bool]]) -> list[dict[str, An
     return out
 
 
-def _reference(kind: str, **kw: Any) -> dict[str, Any]:
+def _reference(kind: str, exact: bool = False, **kw: Any) -> dict[str, Any]:
+    """One process, fp32; with ``exact`` also the same training in fp64 (``"exact"``: its flat parameters)."""
     model = _build(kind, **kw)
     init = _flat({k: v.detach().clone() for k, v in model.named_parameters()})
-    return {"losses": _train(model), "params": _full(model), "init": init}
+    out = {"losses": _train(model), "params": _full(model), "init": init}
+    if exact:
+        model64 = _build(kind, **kw).double()
+        _train(model64)
+        out["exact"] = _flat(_full(model64))
+    return out
 
 
 def _assert_parity(result: dict[str, Any], ref: dict[str, Any]) -> None:
+    """Losses and parameters within ``TOL`` of the one-process fp32 run. Where that run is itself further than
+    ``TOL`` from the fp64 run (``ref["exact"]``), the derived rule of the kernel tests applies instead: the parallel
+    parameters are at most twice as far from the fp64 result as the one-process fp32 parameters are."""
     assert max(abs(a - b) / b for a, b in zip(result["losses"], ref["losses"], strict=True)) <= TOL
     assert sorted(result["params"]) == sorted(ref["params"])
-    assert _rel(_flat(result["params"]), _flat(ref["params"])) <= TOL
-    assert _rel(_flat(ref["params"]), ref["init"]) > 1e-3  # the weights moved
+    ours, single = _flat(result["params"]), _flat(ref["params"])
+    if "exact" in ref and _rel(ours, single) > TOL:
+        single_err = _rel(single.double(), ref["exact"])
+        assert single_err > TOL, "only fp32 noise of the reference justifies the derived bound"
+        assert _rel(ours.double(), ref["exact"]) <= 2 * single_err
+    else:
+        assert _rel(ours, single) <= TOL
+    assert _rel(single, ref["init"]) > 1e-3  # the weights moved
 
 
 def test_gqa_kv_heads_fewer_than_tp_are_replicated(dist_pool: Any) -> None:
@@ -197,6 +212,7 @@ def test_transformers_models_under_tp2(dist_pool: Any) -> None:
     pytest.importorskip("transformers")
     runs = [("llama", {}, False), ("llama", {}, True), ("mistral", {"kv": 1}, False), ("qwen2", {}, True)]
     results = dist_pool(2).run(_tp_train, runs)[0]
+    # transformers 5.24's Llama: the one-process fp32 run is 6.0e-6 from fp64 after 5 steps, TP=2 2.5e-6 (2026-11-25)
     for (kind, kw, _), result in zip(runs, results, strict=True):
-        _assert_parity(result, _reference(kind, **kw))
+        _assert_parity(result, _reference(kind, exact=True, **kw))
     assert results[2]["kv_classes"] == [ReplicatedKVProjection.__name__]
