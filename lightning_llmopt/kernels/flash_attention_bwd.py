@@ -24,10 +24,14 @@ from torch import Tensor
 from lightning_llmopt.kernels.flash_attention_common import (
     LOG2E,
     TUNE_KEY,
+    ChosenConfigs,
     Geometry,
+    LaunchConfig,
     bwd_configs,
     dq_configs,
     interpreter_block,
+    prune_for_head_dim,
+    tune_key,
     use_interpreter_config,
 )
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
@@ -81,14 +85,21 @@ def _dot_acc(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
                 q_off, seq_q, lo, hi, qk_scale, WINDOW, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+                FULL_LOADS: tl.constexpr):
+    """``FULL_LOADS``: every query row of ``[lo, hi)`` exists and ``HEAD_D`` fills the lanes (no load masks)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seq_q
-        ld_mask = row_ok[None, :] & (offs_d[:, None] < HEAD_D)
-        q_t = tl.load(q_base + offs_m[None, :] * stride_qs + offs_d[:, None], mask=ld_mask, other=0.0)  # (D, M)
-        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+        q_ptrs = q_base + offs_m[None, :] * stride_qs + offs_d[:, None]
+        do_ptrs = do_base + offs_m[:, None] * stride_ds + offs_d[None, :]
+        if FULL_LOADS:
+            q_t = tl.load(q_ptrs)  # (D, M)
+            lse = tl.load(lse_base + offs_m)
+        else:
+            q_t = tl.load(q_ptrs, mask=row_ok[None, :] & (offs_d[:, None] < HEAD_D), other=0.0)
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
         qk_t = _dot(k, q_t, IEEE) * qk_scale  # (N, M), log2 units
         p_t = tl.math.exp2(qk_t - lse[None, :])
@@ -100,10 +111,13 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
             if HAS_WINDOW:
                 ok = ok & (q_pos - offs_n[:, None] < WINDOW)
             p_t = tl.where(ok, p_t, 0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :],
-                     mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)  # (M, D)
+        if FULL_LOADS:
+            do = tl.load(do_ptrs)  # (M, D)
+            delta = tl.load(delta_base + offs_m)
+        else:
+            do = tl.load(do_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         dv = _dot_acc(p_t.to(do.dtype), do, dv, IEEE)
-        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         dp_t = _dot(v, tl.trans(do), IEEE)  # (N, M)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = _dot_acc(ds_t.to(q_t.dtype), tl.trans(q_t), dk, IEEE)
@@ -151,7 +165,7 @@ def _flash_bwd_dkdv_kernel(
     lo = 0
     hi = seq_q
     full_lo = 0
-    full_hi = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M  # past the end: padded rows have p = 0
+    full_hi = (seq_q // BLOCK_M) * BLOCK_M  # a ragged last query tile goes to the masked loop
     if IS_CAUSAL:
         lo = tl.maximum(0, start_n - q_off)
         lo = (lo // BLOCK_M) * BLOCK_M
@@ -159,11 +173,10 @@ def _flash_bwd_dkdv_kernel(
         full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
     if HAS_WINDOW:
         hi = tl.minimum(seq_q, start_n + BLOCK_N - 1 + WINDOW - q_off)
-        full_hi = tl.maximum(0, start_n + WINDOW - q_off)
-        full_hi = (full_hi // BLOCK_M) * BLOCK_M
+        full_hi = tl.minimum(full_hi, (tl.maximum(0, start_n + WINDOW - q_off) // BLOCK_M) * BLOCK_M)
     hi = tl.maximum(hi, 0)
     full_lo = tl.maximum(full_lo, lo)
-    full_hi = tl.minimum(full_hi, tl.cdiv(hi, BLOCK_M) * BLOCK_M)
+    full_hi = tl.minimum(full_hi, (hi // BLOCK_M) * BLOCK_M)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -175,13 +188,13 @@ def _flash_bwd_dkdv_kernel(
         delta_base = DELTA + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok0
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n,
                              offs_d, q_off, seq_q, lo, tl.minimum(full_lo, hi), qk_scale, WINDOW, HEAD_D, BLOCK_M,
-                             True, IS_CAUSAL, HAS_WINDOW, IEEE)
+                             True, IS_CAUSAL, HAS_WINDOW, IEEE, False)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n,
                              offs_d, q_off, seq_q, full_lo, full_hi, qk_scale, WINDOW, HEAD_D, BLOCK_M,
-                             False, IS_CAUSAL, HAS_WINDOW, IEEE)
+                             False, IS_CAUSAL, HAS_WINDOW, IEEE, HEAD_D == BLOCK_D)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n,
                              offs_d, q_off, seq_q, tl.maximum(full_hi, full_lo), hi, qk_scale, WINDOW, HEAD_D,
-                             BLOCK_M, True, IS_CAUSAL, HAS_WINDOW, IEEE)
+                             BLOCK_M, True, IS_CAUSAL, HAS_WINDOW, IEEE, False)
     dk = dk * sm_scale
     rows = (tok0_64 + offs_n[:, None])
     tl.store(DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh + rows * stride_dks + offs_d[None, :],
@@ -193,13 +206,20 @@ def _flash_bwd_dkdv_kernel(
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k, lo, hi,
               qk_scale, WINDOW, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, FULL_LOADS: tl.constexpr):
+    """``FULL_LOADS``: every key of ``[lo, hi)`` exists and ``HEAD_D`` fills the lanes (no load masks)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask_t = (offs_n[None, :] < seq_k) & (offs_d[:, None] < HEAD_D)
-        k_t = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=kv_mask_t, other=0.0)  # (D, N)
-        v_t = tl.load(v_base + offs_n[None, :] * stride_vs + offs_d[:, None], mask=kv_mask_t, other=0.0)
+        k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # (D, N)
+        v_ptrs = v_base + offs_n[None, :] * stride_vs + offs_d[:, None]
+        if FULL_LOADS:
+            k_t = tl.load(k_ptrs)
+            v_t = tl.load(v_ptrs)
+        else:
+            kv_mask_t = (offs_n[None, :] < seq_k) & (offs_d[:, None] < HEAD_D)
+            k_t = tl.load(k_ptrs, mask=kv_mask_t, other=0.0)
+            v_t = tl.load(v_ptrs, mask=kv_mask_t, other=0.0)
         qk = _dot(q, k_t, IEEE) * qk_scale
         p = tl.math.exp2(qk - lse[:, None])
         if MASKED:
@@ -278,12 +298,14 @@ def _flash_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k, lo,
-                   tl.minimum(full_lo, hi), qk_scale, WINDOW, HEAD_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, IEEE)
+                   tl.minimum(full_lo, hi), qk_scale, WINDOW, HEAD_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, IEEE,
+                   False)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k,
-                   full_lo, full_hi, qk_scale, WINDOW, HEAD_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, IEEE)
+                   full_lo, full_hi, qk_scale, WINDOW, HEAD_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, IEEE,
+                   HEAD_D == BLOCK_D)
     dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k,
                    tl.maximum(full_hi, full_lo), hi, qk_scale, WINDOW, HEAD_D, BLOCK_N, True, IS_CAUSAL,
-                   HAS_WINDOW, IEEE)
+                   HAS_WINDOW, IEEE, False)
     dq = dq * sm_scale
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows * stride_dqs + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=mask)
@@ -299,13 +321,22 @@ def _tuned_kernel(name: str):  # type: ignore[no-untyped-def]
         _tuned[name] = triton.autotune(
             configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in table],
             key=TUNE_KEY,
+            prune_configs_by={"early_config_prune": prune_for_head_dim(name)},
         )(kernel)
     return _tuned[name]
 
 
+_CHOSEN = {name: ChosenConfigs(lambda name=name: _tuned_kernel(name)) for name in ("dkdv", "dq")}
+
+
 def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, geo: Geometry, causal: bool,
-              scale: float, window: int | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` shaped like ``(q, k, v)``, in their dtypes (fp32 accumulation inside)."""
+              scale: float, window: int | None,
+              configs: dict[str, LaunchConfig] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` shaped like ``(q, k, v)``, in their dtypes (fp32 accumulation inside).
+
+    ``configs`` maps ``"dkdv"`` / ``"dq"`` to a launch configuration that bypasses that pass's autotuning (for
+    benchmarks/sweep_attention.py); a pass not named is autotuned.
+    """
     if do.stride(-1) != 1:
         do = do.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -326,16 +357,21 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                  geo.group, *tail)
     dq_args = (q, k, v, do, lse, delta, dq, cu, *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(do),
                *geo.strides(dq), *geo.lse_strides(lse), *common, geo.num_heads, geo.group, *tail)
+    configs = dict(configs or {})
     if use_interpreter_config(q):
-        bm, bn = interpreter_block(geo.max_q), interpreter_block(geo.max_k)
-        _flash_bwd_dkdv_kernel[(triton.cdiv(geo.max_k, bn), geo.batch * kv_heads)](
-            *dkdv_args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, **consts)
-        _flash_bwd_dq_kernel[(triton.cdiv(geo.max_q, bm), bh)](*dq_args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
-                                                                 **consts)
-    else:
-        _tuned_kernel("dkdv")[lambda m: (triton.cdiv(geo.max_k, m["BLOCK_N"]), geo.batch * kv_heads)](
-            *dkdv_args, **consts)
-        _tuned_kernel("dq")[lambda m: (triton.cdiv(geo.max_q, m["BLOCK_M"]), bh)](*dq_args, **consts)
+        blocks = {"BLOCK_M": interpreter_block(geo.max_q), "BLOCK_N": interpreter_block(geo.max_k)}
+        configs = {"dkdv": (blocks, 4, 1), "dq": (blocks, 4, 1), **configs}
+    passes = (
+        ("dkdv", _flash_bwd_dkdv_kernel, dkdv_args, lambda m: (triton.cdiv(geo.max_k, m["BLOCK_N"]),
+                                                               geo.batch * kv_heads)),
+        ("dq", _flash_bwd_dq_kernel, dq_args, lambda m: (triton.cdiv(geo.max_q, m["BLOCK_M"]), bh)),
+    )
+    for name, kernel, args, grid in passes:
+        if name in configs:
+            blocks, warps, stages = configs[name]
+            kernel[grid(blocks)](*args, **blocks, num_warps=warps, num_stages=stages, **consts)
+        else:
+            _CHOSEN[name].launch(tune_key(geo, consts, q.dtype), grid, args, consts)
     return dq, dk, dv
 
 

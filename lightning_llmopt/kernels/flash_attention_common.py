@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -106,32 +108,102 @@ def interpreter_block(n: int) -> int:
     return 16 if n <= 64 else 32
 
 
-def fwd_configs() -> list[tuple[dict[str, int], int, int]]:
-    """Forward autotuning list: ``({BLOCK_M, BLOCK_N}, num_warps, num_stages)`` (Hopper-oriented, kept short)."""
-    return [
-        ({"BLOCK_M": 128, "BLOCK_N": 64}, 4, 3),
-        ({"BLOCK_M": 128, "BLOCK_N": 64}, 8, 3),
-        ({"BLOCK_M": 128, "BLOCK_N": 128}, 8, 3),
-        ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 4),
-    ]
+LaunchConfig = tuple[dict[str, int], int, int]
+"""``({"BLOCK_M": m, "BLOCK_N": n}, num_warps, num_stages)``: one launch configuration of a flash kernel."""
 
 
-def bwd_configs() -> list[tuple[dict[str, int], int, int]]:
-    """Backward (dK/dV and dQ passes) autotuning list; ``BLOCK_N`` is the tile owned by the program."""
-    return [
-        ({"BLOCK_M": 32, "BLOCK_N": 128}, 4, 3),
-        ({"BLOCK_M": 64, "BLOCK_N": 128}, 8, 3),
-        ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3),
-    ]
+# Autotuning lists, ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, by head-dim class (padded head dim up to 64, or
+# larger). The wide-head lists come from benchmarks/sweep_attention.py on an H100 (hd128, S 1k..8k, causal and not,
+# 2026-11-25): each member was best or within 5% of best on some shape, and every configuration that ran 1.3x or
+# more behind the best everywhere was dropped (a noisy search must not be able to pick it: the dK/dV candidate
+# (32, 128, 4, 3) ran 2.3x behind at hd128). The narrow-head lists are the earlier hand-picked ones, unswept.
+_FWD = {
+    "narrow": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
+    "wide": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
+}
+_DKDV = {  # BLOCK_N is the key tile owned by the program, BLOCK_M the query tile it steps over
+    "narrow": [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
+    "wide": [(64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 5), (64, 128, 8, 2)],
+}
+_DQ = {  # BLOCK_M queries per program, BLOCK_N keys per step
+    "narrow": [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    "wide": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)],
+}
+_TABLES = {"fwd": _FWD, "dkdv": _DKDV, "dq": _DQ}
 
 
-def dq_configs() -> list[tuple[dict[str, int], int, int]]:
-    """dQ pass: ``BLOCK_M`` queries per program, ``BLOCK_N`` keys per step."""
-    return [
-        ({"BLOCK_M": 128, "BLOCK_N": 32}, 4, 3),
-        ({"BLOCK_M": 128, "BLOCK_N": 64}, 8, 3),
-        ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3),
-    ]
+def as_launch_config(t: tuple[int, int, int, int]) -> LaunchConfig:
+    return {"BLOCK_M": t[0], "BLOCK_N": t[1]}, t[2], t[3]
+
+
+def launch_configs(kernel: str, block_d: int | None = None) -> list[LaunchConfig]:
+    """Autotuning list of ``kernel`` (``"fwd"``, ``"dkdv"`` or ``"dq"``) for a padded head dim ``block_d``; with
+    ``block_d=None`` the union over head-dim classes (what the autotuner holds; :func:`prune_for_head_dim` narrows
+    it per call)."""
+    table = _TABLES[kernel]
+    if block_d is not None:
+        return [as_launch_config(t) for t in table["narrow" if block_d <= 64 else "wide"]]
+    seen: list[tuple[int, int, int, int]] = []
+    for rows in table.values():
+        seen += [t for t in rows if t not in seen]
+    return [as_launch_config(t) for t in seen]
+
+
+def prune_for_head_dim(kernel: str):  # type: ignore[no-untyped-def]
+    """``early_config_prune`` for ``triton.autotune``: keep the configurations of the call's head-dim class."""
+
+    def prune(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        wanted = [(c[0]["BLOCK_M"], c[0]["BLOCK_N"], c[1], c[2]) for c in launch_configs(kernel, block_d)]
+        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+        return kept or configs
+
+    return prune
+
+
+def fwd_configs() -> list[LaunchConfig]:
+    """Forward autotuning list (all head-dim classes)."""
+    return launch_configs("fwd")
+
+
+def bwd_configs() -> list[LaunchConfig]:
+    """Backward dK/dV pass autotuning list (all head-dim classes)."""
+    return launch_configs("dkdv")
+
+
+def dq_configs() -> list[LaunchConfig]:
+    """dQ pass autotuning list (all head-dim classes)."""
+    return launch_configs("dq")
+
+
+class ChosenConfigs:
+    """Launch an autotuned kernel; after the search for a key, launch the configuration it chose directly.
+
+    Triton's ``Autotuner.run`` rebuilds its cache key from every argument on each call (about 35 us a launch on an
+    H100 host, torch 2.11 / triton 3.6, 2026-11-25), and one attention forward + backward makes three tuned launches.
+    The caller passes the key: the values of :data:`TUNE_KEY` and the dtype.
+
+    Arguments:
+        make_tuner: returns the ``triton.autotune``-wrapped kernel (built on first use).
+    """
+
+    def __init__(self, make_tuner: Callable[[], Any]) -> None:
+        self._make = make_tuner
+        self._chosen: dict[tuple, Any] = {}
+
+    def launch(self, key: tuple, grid: Callable[[dict], tuple], args: tuple, consts: dict[str, Any]) -> None:
+        tuner = self._make()
+        config = self._chosen.get(key)
+        if config is None:
+            tuner[grid](*args, **consts)
+            self._chosen[key] = tuner.best_config
+        else:
+            tuner.fn[grid(config.kwargs)](*args, **consts, **config.all_kwargs())
+
+
+def tune_key(geo: Geometry, consts: dict[str, Any], dtype: torch.dtype) -> tuple:
+    """The autotuning key of a call: the length buckets, the constexpr flags of :data:`TUNE_KEY` and the dtype."""
+    return (*geo.tune_args, *(consts[name] for name in TUNE_KEY[2:]), dtype)
 
 
 def device_is_cuda(t: Tensor) -> bool:

@@ -8,7 +8,8 @@ One program owns ``BLOCK_M`` queries of one (sequence, head) and streams the vis
    without any mask arithmetic; tiles no query of the block can see are never visited (causal upper triangle,
    keys left of the window, other documents of a packed batch);
 3. per tile: ``s = q k^T`` (fp32 accumulation), running row max ``m``, rescale of the running sum ``l`` and the
-   output accumulator by ``exp2(m_old - m_new)``, ``acc += p v``;
+   output accumulator by ``exp2(m_old - m_new)``, ``acc += p v``; in the unmasked band the scale multiplies the
+   row max and rides on the subtraction (``exp2(s * c - m)``, one FMA a score) and the loads take no mask;
 4. write ``acc / l`` and ``lse = (m + log2 l) * ln 2`` (natural log, what ring attention merges).
 
 A row with no visible key keeps ``m = -inf``; the subtraction uses 0 instead, so it ends with ``l = 0``, output 0
@@ -26,9 +27,13 @@ from torch import Tensor
 from lightning_llmopt.kernels.flash_attention_common import (
     LOG2E,
     TUNE_KEY,
+    ChosenConfigs,
     Geometry,
+    LaunchConfig,
     fwd_configs,
     interpreter_block,
+    prune_for_head_dim,
+    tune_key,
     use_interpreter_config,
 )
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
@@ -52,29 +57,39 @@ def _visible_tile(qk, offs_m, offs_n, q_off, seq_k, WINDOW, IS_CAUSAL: tl.conste
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k, lo, hi,
                qk_scale, WINDOW, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, FULL_LOADS: tl.constexpr):
+    """``FULL_LOADS``: every key of ``[lo, hi)`` exists and ``HEAD_D`` fills the lanes, so loads take no mask."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]
         kv_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_D)
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FULL_LOADS:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        qk = qk * qk_scale  # log2 units
         if MASKED:
-            qk = _visible_tile(qk, offs_m, offs_n, q_off, seq_k, WINDOW, IS_CAUSAL, HAS_WINDOW)
+            qk = _visible_tile(qk * qk_scale, offs_m, offs_n, q_off, seq_k, WINDOW, IS_CAUSAL, HAS_WINDOW)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet: avoid -inf - -inf
+            p = tl.math.exp2(qk - m_use[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # the scale is positive, so it commutes with the max; the scaling then rides on the subtraction (FMA)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
-        p = tl.math.exp2(qk - m_use[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FULL_LOADS:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -141,15 +156,15 @@ def _flash_fwd_kernel(
     # masked tiles left of the fully visible band (window edge)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k,
                                lo, tl.minimum(full_lo, hi), qk_scale, WINDOW, HEAD_D, BLOCK_N, True, IS_CAUSAL,
-                               HAS_WINDOW, IEEE)
+                               HAS_WINDOW, IEEE, False)
     # fully visible tiles: no mask arithmetic
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k,
                                full_lo, full_hi, qk_scale, WINDOW, HEAD_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW,
-                               IEEE)
+                               IEEE, HEAD_D == BLOCK_D)
     # masked tiles right of it (causal diagonal, ragged sequence end)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, q_off, seq_k,
                                tl.maximum(full_hi, full_lo), hi, qk_scale, WINDOW, HEAD_D, BLOCK_N, True, IS_CAUSAL,
-                               HAS_WINDOW, IEEE)
+                               HAS_WINDOW, IEEE, False)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -169,15 +184,21 @@ def _tuned_fwd_kernel():  # type: ignore[no-untyped-def]
         _tuned_fwd = triton.autotune(
             configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in fwd_configs()],
             key=TUNE_KEY,
+            prune_configs_by={"early_config_prune": prune_for_head_dim("fwd")},
         )(_flash_fwd_kernel)
     return _tuned_fwd
 
 
+_CHOSEN = ChosenConfigs(_tuned_fwd_kernel)
+
+
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: float,
-              window: int | None) -> tuple[Tensor, Tensor]:
+              window: int | None, config: LaunchConfig | None = None) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Shapes as :mod:`lightning_llmopt.kernels.flash_attention` (dense or packed).
 
-    Returns ``out`` (like ``q``) and ``lse`` (fp32, ``(B, H, S_q)`` dense or ``(H, total)`` packed).
+    Returns ``out`` (like ``q``) and ``lse`` (fp32, ``(B, H, S_q)`` dense or ``(H, total)`` packed). ``config``
+    (``({BLOCK_M, BLOCK_N}, num_warps, num_stages)``) bypasses autotuning: benchmarks/sweep_attention.py times
+    candidate configurations with it.
     """
     out = torch.empty_like(q)
     lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
@@ -190,18 +211,19 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scal
                   IS_VARLEN=geo.cu_seqlens is not None, IEEE=q.dtype == torch.float32)
     qk_scale = scale * LOG2E
     win = window if window is not None else 0
-    if use_interpreter_config(q):
-        bm, bn = interpreter_block(geo.max_q), interpreter_block(geo.max_k)
-        grid_fixed = (triton.cdiv(geo.max_q, bm), geo.batch * geo.num_heads)
-        _flash_fwd_kernel[grid_fixed](*args, qk_scale, win, *geo.tune_args, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
-                                      **consts)
+    if use_interpreter_config(q) and config is None:
+        config = ({"BLOCK_M": interpreter_block(geo.max_q), "BLOCK_N": interpreter_block(geo.max_k)}, 4, 1)
+    if config is not None:
+        blocks, warps, stages = config
+        grid_fixed = (triton.cdiv(geo.max_q, blocks["BLOCK_M"]), geo.batch * geo.num_heads)
+        _flash_fwd_kernel[grid_fixed](*args, qk_scale, win, *geo.tune_args, **blocks, num_warps=warps,
+                                      num_stages=stages, **consts)
     else:
-        kernel = _tuned_fwd_kernel()
 
         def grid(meta):  # type: ignore[no-untyped-def]
             return (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.batch * geo.num_heads)
 
-        kernel[grid](*args, qk_scale, win, *geo.tune_args, **consts)
+        _CHOSEN.launch(tune_key(geo, consts, q.dtype), grid, (*args, qk_scale, win, *geo.tune_args), consts)
     return out, lse
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from lightning_llmopt.kernels import flash_attention_bwd, flash_attention_fwd
 from lightning_llmopt.kernels.flash_attention_common import TUNE_KEY, Geometry, tune_bucket
 
@@ -27,3 +29,67 @@ def test_autotuners_key_on_buckets_not_exact_lengths() -> None:
         assert list(tuner.keys) == TUNE_KEY
         assert "seq_q" not in tuner.keys and "seq_k" not in tuner.keys
         assert {"tune_q", "tune_k"} <= set(tuner.arg_names)
+
+
+def test_autotuning_lists_are_chosen_by_head_dim_class() -> None:
+    """The autotuners hold the union of the lists; each call keeps only its head-dim class's configurations."""
+    from types import SimpleNamespace
+
+    from lightning_llmopt.kernels.flash_attention_common import launch_configs, prune_for_head_dim
+
+    def as_triton(cfg):  # the attributes early_config_prune reads from a triton.Config
+        return SimpleNamespace(kwargs=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+
+    for kernel in ("fwd", "dkdv", "dq"):
+        union = launch_configs(kernel)
+        assert len({(c[0]["BLOCK_M"], c[0]["BLOCK_N"], c[1], c[2]) for c in union}) == len(union)
+        for block_d in (32, 64, 128, 256):
+            wanted = launch_configs(kernel, block_d)
+            kept = prune_for_head_dim(kernel)([as_triton(c) for c in union], {}, BLOCK_D=block_d)
+            key = lambda c: (c[0]["BLOCK_M"], c[0]["BLOCK_N"], c[1], c[2])  # noqa: E731
+            assert sorted(((c.kwargs, c.num_warps, c.num_stages) for c in kept), key=key) == sorted(wanted, key=key)
+            assert all(c in union for c in wanted)
+    # the dK/dV configuration that ran 2.3x behind the best at head dim 128 is not on the wide list
+    assert ({"BLOCK_M": 32, "BLOCK_N": 128}, 4, 3) not in launch_configs("dkdv", 128)
+
+
+def test_chosen_configs_search_once_then_launch_the_choice_directly() -> None:
+    """After the autotuner's search for a key, launches skip ``Autotuner.run`` and use the chosen configuration."""
+    from types import SimpleNamespace
+
+    from lightning_llmopt.kernels.flash_attention_common import ChosenConfigs, tune_key
+
+    calls: list[tuple] = []
+
+    class FakeJit:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append(("direct", grid, args, kw))
+
+    class FakeTuner:
+        fn = FakeJit()
+        best_config = None
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append(("tuned", grid({"BLOCK_M": 64}), args, kw))
+                # what triton's Autotuner.run leaves behind: the configuration it picked
+                self.best_config = SimpleNamespace(
+                    kwargs={"BLOCK_M": 128}, all_kwargs=lambda: {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3}
+                )
+
+            return run
+
+    tuner = FakeTuner()
+    chosen = ChosenConfigs(lambda: tuner)
+    geo = Geometry(batch=2, seq_q=1000, seq_k=1000, num_heads=4, group=1, head_dim=128, block_d=128)
+    consts = dict(HEAD_D=128, BLOCK_D=128, IS_CAUSAL=True, HAS_WINDOW=False, IS_VARLEN=False, IEEE=False)
+    key = tune_key(geo, consts, torch.bfloat16)
+    assert key == (1024, 1024, 128, True, False, False, torch.bfloat16)
+    grid = lambda meta: (1000 // meta["BLOCK_M"], 8)  # noqa: E731
+    for _ in range(3):
+        chosen.launch(key, grid, ("a", 1), consts)
+    assert [c[0] for c in calls] == ["tuned", "direct", "direct"]
+    assert calls[1][1] == (1000 // 128, 8)  # the grid of the chosen blocks
+    assert calls[1][3] == {**consts, "BLOCK_M": 128, "num_warps": 8, "num_stages": 3}
+    chosen.launch(tune_key(geo, {**consts, "IS_CAUSAL": False}, torch.bfloat16), grid, ("a", 1), consts)
+    assert calls[-1][0] == "tuned"  # another key searches again
