@@ -5,9 +5,15 @@ Families (run each in its own process: autotuning and compile caches distort lat
 - ``hd64`` / ``hd128``: B*S = 16k tokens, H*D = 2048, S in {1k, 2k, 4k, 8k, 16k}, causal and not; forward,
   backward and forward+backward TFLOP/s (FLOPs 4*B*H*S^2*D forward, x0.5 causal; backward 2.5x forward);
 - ``varlen``: 16 documents packed into 16k tokens (hd128): ours (cu_seqlens) vs Flex with a document mask vs
-  dense causal attention over the 16k tokens (ours and cuDNN);
+  dense causal attention over the 16k tokens (ours and cuDNN). Two packs: 16 documents of 1024 tokens
+  (``attention-varlen16-equal``; dense causal does 16x the FLOPs) and 16 documents of random lengths
+  (``attention-varlen16``; seed 0, where the FLOP ratio is 8.2x, so no kernel can be 8x faster there);
 - ``window``: S = 16k, sliding windows 256..4096 (hd128): ours vs Flex with a window mask;
-- ``check``: bf16 correctness at larger shapes against an fp64 reference (the 2x-PyTorch rule).
+- ``check``: bf16 correctness at larger shapes against an fp64 reference (the 2x-PyTorch rule);
+- ``parity``: ours against Flex where one run's ratio is within run-to-run noise (about +-5% between runs at hd128):
+  each shape is timed in interleaved rounds (which goes first alternates) and the record gives the median of the
+  per-round ratios, their range and how many rounds put ours ahead, for the forward, forward+backward and the
+  backward (forward+backward minus forward within a round).
 
 Usage: ``python benchmarks/bench_attention.py --family hd128`` (records in benchmarks/results/attention-*.json).
 """
@@ -136,14 +142,27 @@ def _partial(name: str, rows: list, notes: list, D: int) -> dict:
     }
 
 
-def family_varlen() -> dict:
+def varlen_lengths(layout: str, n_docs: int = 16, tokens: int = TOKENS) -> list[int]:
+    """Document lengths of the packed family: ``"equal"`` (``tokens / n_docs`` each) or ``"random"`` (cut points
+    drawn with seed 0, the pack of the first records)."""
+    if layout == "equal":
+        return [tokens // n_docs] * n_docs
+    g = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randperm(tokens - 1, generator=g)[: n_docs - 1] + 1).values
+    bounds = [0, *cuts.tolist(), tokens]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def family_varlen() -> list[dict]:
+    return [_varlen_pack(layout) for layout in ("equal", "random")]
+
+
+def _varlen_pack(layout: str) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     D, H, n_docs = 128, 16, 16
-    g = torch.Generator().manual_seed(0)
-    cuts = torch.sort(torch.randperm(TOKENS - 1, generator=g)[: n_docs - 1] + 1).values
-    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([TOKENS])]).cuda().to(torch.int32)
-    lens = (cu[1:] - cu[:-1]).tolist()
+    lens = varlen_lengths(layout, n_docs)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     flops = sum(4 * H * L * L * D * 0.5 for L in lens)
     doc = torch.repeat_interleave(torch.arange(n_docs, device="cuda"), torch.tensor(lens, device="cuda"))
     q, k, v, do = (torch.randn(TOKENS, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -193,12 +212,14 @@ def family_varlen() -> dict:
         )
         print(json.dumps(rows[-1]), flush=True)
     return {
-        "name": "attention-varlen16",
+        "name": "attention-varlen16" + ("-equal" if layout == "equal" else ""),
         "rows": rows,
         "notes": notes,
         "config": {
             "tokens": TOKENS,
             "docs": n_docs,
+            "layout": layout,
+            "dense_over_packed_flops": TOKENS * TOKENS / sum(L * L for L in lens),
             "lengths": lens,
             "H": H,
             "D": D,
@@ -286,7 +307,74 @@ def family_check() -> dict:
     return {"name": "attention-check", "rows": rows, "notes": [], "config": {"cases": cases}}
 
 
-_SHAPE_KEYS = ("S", "causal", "window")
+PARITY_SHAPES = (
+    (128, 1024, True),
+    (128, 4096, False),
+    (128, 4096, True),
+    (128, 8192, False),
+    (128, 16384, False),
+    (128, 16384, True),
+    (64, 4096, False),
+    (64, 8192, True),
+)
+
+
+def family_parity(rounds: int = 9) -> dict:
+    import statistics
+
+    torch._dynamo.config.cache_size_limit = 64
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+    rows, peers = [], []
+    for D, S, causal in PARITY_SHAPES:
+        B, H = TOKENS // S, HIDDEN // D
+        g = torch.Generator(device="cuda").manual_seed(S + D)
+        base = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+        fns = {}
+        for name, (fn, layout) in _variants(causal, S, D).items():
+            if name not in ("ours", "flex"):
+                continue
+            ts = base if layout == "bshd" else [t.transpose(1, 2) for t in base]
+            q, k, v = (t.detach().requires_grad_() for t in ts[:3])
+            fns[name] = (lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), _fwd_bwd(fn, q, k, v, ts[3]))
+        times: dict[str, dict[str, list[float]]] = {n: {"fwd": [], "fwd_bwd": []} for n in fns}
+        for name in fns:  # compile / autotune outside the rounds
+            bench(fns[name][0]), bench(fns[name][1])
+        for i in range(rounds):
+            for name in ("ours", "flex") if i % 2 == 0 else ("flex", "ours"):
+                times[name]["fwd"].append(bench(fns[name][0]))
+                times[name]["fwd_bwd"].append(bench(fns[name][1]))
+        for t in times.values():
+            t["bwd"] = [b - f for f, b in zip(t["fwd"], t["fwd_bwd"], strict=True)]
+        shape = {"D": D, "S": S, "B": B, "H": H, "causal": causal}
+        for name, out in (("ours", rows), ("flex", peers)):
+            out.append(
+                {"variant": name, **shape, **{f"{m}_ms": statistics.median(times[name][m]) for m in times[name]}}
+            )
+        for metric in ("fwd", "fwd_bwd", "bwd"):
+            per_round = [f / o for o, f in zip(times["ours"][metric], times["flex"][metric], strict=True)]
+            rows[-1][f"{metric}_ratio_median"] = statistics.median(per_round)
+            rows[-1][f"{metric}_ratio_range"] = [min(per_round), max(per_round)]
+            rows[-1][f"{metric}_rounds_ours_ahead"] = sum(r >= 1.0 for r in per_round)
+        print(json.dumps(rows[-1]), flush=True)
+    return {
+        "name": "attention-parity",
+        "rows": rows + peers,
+        "notes": [
+            f"{rounds} interleaved rounds per shape; ratios are Flex time / our time per round (above 1: ours "
+            "faster); *_ms are medians over the rounds"
+        ],
+        "config": {
+            "tokens": TOKENS,
+            "hidden": HIDDEN,
+            "rounds": rounds,
+            "dtype": "bfloat16",
+            "shapes": [list(s) for s in PARITY_SHAPES],
+        },
+    }
+
+
+_SHAPE_KEYS = ("D", "S", "causal", "window")
 _OUT_DIR: str | None = None
 
 
@@ -324,15 +412,20 @@ def write(result: dict, out_dir: str | None) -> None:
 
 
 def render(directory: str | None = None) -> str:
-    """Markdown tables (docs/flash_attention.md) from the attention-*.json records."""
-    recs = {r["name"]: r for r in records.load_records(directory) if r.get("benchmark") == "attention"}
+    """Markdown tables (docs/flash_attention.md) from the attention-*.json records: the newest record of each
+    family (records of several GPUs can coexist), and the parity record of every GPU."""
+    every = [r for r in records.load_records(directory) if r.get("benchmark") == "attention"]
+    recs: dict[str, dict] = {}
+    for r in sorted(every, key=lambda r: r["date"]):
+        recs[r["name"]] = r
     lines = []
     for D in (128, 64):
         main_rec, flex_rec = recs.get(f"attention-hd{D}"), recs.get(f"attention-hd{D}-flex")
         if main_rec is None:
             continue
         peers = list(main_rec["peers"])
-        if flex_rec is not None:  # the flex re-run replaces flex rows of the same shape
+        same_run = flex_rec is not None and flex_rec["env"]["device"] == main_rec["env"]["device"]
+        if same_run and flex_rec["date"] >= main_rec["date"]:  # the flex re-run replaces flex rows of the same shape
             redo = {(p["S"], p["causal"]) for p in flex_rec["peers"]}
             peers = [p for p in peers if not (p["variant"] == "flex" and (p["S"], p["causal"]) in redo)]
             peers += flex_rec["peers"]
@@ -356,14 +449,17 @@ def render(directory: str | None = None) -> str:
                 )
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    var = recs.get("attention-varlen16")
-    if var is not None:
+    for var in (recs.get("attention-varlen16-equal"), recs.get("attention-varlen16")):
+        if var is None:
+            continue
         rows = var["results"] + var["peers"]
         base = next(r for r in rows if r["variant"] == "ours-varlen")
         lens = var["config"]["lengths"]
         ideal = sum(lens) ** 2 / sum(L * L for L in lens)
+        what = "of 1024 tokens each" if len(set(lens)) == 1 else f"of random lengths {min(lens)}..{max(lens)}"
         lines += [
-            f"### 16 documents packed into 16k tokens (hd128, H = 16); FLOP ratio dense/packed = {ideal:.1f}",
+            f"### 16 documents {what} packed into 16k tokens (hd128, H = 16, {var['env']['device']}); "
+            f"FLOP ratio dense/packed = {ideal:.1f}",
             "",
             "| variant | fwd ms | fwd+bwd ms | effective fwd TF/s | ours-varlen speedup fwd / fwd+bwd |",
             "|---|---|---|---|---|",
@@ -374,11 +470,28 @@ def render(directory: str | None = None) -> str:
                 f"{r['fwd_ms'] / base['fwd_ms']:.2f}x / {r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x |"
             )
         lines.append("")
+    for par in sorted((r for r in every if r["name"] == "attention-parity"), key=lambda r: r["env"]["device"]):
+        lines += [
+            f"### Ours against FlexAttention in {par['config']['rounds']} interleaved rounds, {par['env']['device']}",
+            "",
+            "Median over rounds of Flex time / our time (range; rounds with ours ahead).",
+            "",
+            "| head dim | S | causal | forward | forward+backward | backward |",
+            "|---|---|---|---|---|---|",
+        ]
+        for o in par["results"]:
+            cells = [str(o["D"]), str(o["S"]), "yes" if o["causal"] else "no"]
+            for m in ("fwd", "fwd_bwd", "bwd"):
+                lo, hi = o[f"{m}_ratio_range"]
+                n = par["config"]["rounds"]
+                cells.append(f"{o[f'{m}_ratio_median']:.3f}x ({lo:.2f}-{hi:.2f}; {o[f'{m}_rounds_ours_ahead']}/{n})")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
     win = recs.get("attention-window")
     if win is not None:
         rows = win["results"] + win["peers"]
         lines += [
-            "### Sliding window, S = 16k, B = 1, hd128, H = 16",
+            f"### Sliding window, S = 16k, B = 1, hd128, H = 16, {win['env']['device']}",
             "",
             "| window | ours fwd / fwd+bwd ms | Flex fwd / fwd+bwd ms |",
             "|---|---|---|",
@@ -392,8 +505,8 @@ def render(directory: str | None = None) -> str:
     chk = recs.get("attention-check")
     if chk is not None:
         lines += [
-            "### bf16 correctness on the GPU: max error vs fp64 (in brackets: its ratio to plain PyTorch bf16 error;"
-            " the rule allows 2x)",
+            f"### bf16 correctness on the GPU ({chk['env']['device']}): max error vs fp64 (in brackets: its ratio to"
+            " plain PyTorch bf16 error; the rule allows 2x)",
             "",
             "| B, S, H, H_kv, D, causal, window, packed | out | dq | dk | dv | pass |",
             "|---|---|---|---|---|---|",
@@ -412,7 +525,7 @@ def render(directory: str | None = None) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--family", required=True, choices=["hd64", "hd128", "varlen", "window", "check"])
+    p.add_argument("--family", required=True, choices=["hd64", "hd128", "varlen", "window", "check", "parity"])
     p.add_argument("--out", default=None, help="records directory (default benchmarks/results)")
     p.add_argument("--seqs", default=None, help="comma-separated sequence lengths (hd64/hd128; default all)")
     p.add_argument("--variants", default=None, help="comma-separated variants (hd64/hd128; default all)")
@@ -434,13 +547,15 @@ def main() -> int:
         "varlen": family_varlen,
         "window": family_window,
         "check": family_check,
+        "parity": family_parity,
     }[args.family]
     try:
-        result = fn()
+        results = fn()
     except Exception:
         traceback.print_exc()
         return 1
-    write(result, args.out)
+    for result in results if isinstance(results, list) else [results]:
+        write(result, args.out)
     return 0
 
 

@@ -1,0 +1,166 @@
+"""Diagnostic sweep of the flash-attention launch configurations on one GPU (bf16), pass by pass.
+
+Every candidate ``({BLOCK_M, BLOCK_N}, num_warps, num_stages)`` of the forward kernel, the dK/dV pass and the dQ
+pass is launched directly (bypassing autotuning, through the launchers' ``config``/``configs`` arguments) on the
+attention benchmark's shapes (B*S = 16k tokens, H*D = 2048), and timed with ``triton.testing.do_bench`` (median).
+A backward candidate is timed as the whole backward (delta + dK/dV + dQ) with the other pass held at a fixed
+configuration, so differences between candidates are that pass's. The summary ranks candidates by the geometric
+mean over shapes of their time over the best time at that shape; the autotuning lists in
+``flash_attention_common`` are chosen from it. Not a record: it prints a table and writes JSON lines to ``--out``.
+
+Usage: ``python benchmarks/sweep_attention.py --head-dims 128 --seqs 1024,2048,4096,8192``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from lightning_llmopt.kernels.flash_attention_common import as_launch_config as as_config
+from lightning_llmopt.kernels.flash_attention_common import geometry
+
+TOKENS, HIDDEN = 16384, 2048
+
+FWD = [
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+    (64, 64, 4, 4),
+    (128, 64, 4, 4),
+    (128, 64, 8, 4),
+    (128, 128, 8, 2),
+    (64, 128, 4, 3),
+    (128, 32, 4, 4),
+    (256, 64, 8, 3),
+    (64, 64, 4, 3),
+    (128, 64, 8, 2),
+]
+DKDV = [
+    (32, 128, 4, 3),
+    (64, 128, 8, 3),
+    (64, 64, 4, 3),
+    (32, 128, 4, 4),
+    (32, 128, 4, 5),
+    (64, 128, 8, 2),
+    (32, 64, 4, 3),
+    (64, 128, 4, 3),
+    (32, 128, 8, 3),
+    (16, 128, 4, 4),
+    (64, 64, 4, 5),
+    (32, 64, 4, 5),
+]
+DQ = [
+    (128, 32, 4, 3),
+    (128, 64, 8, 3),
+    (64, 64, 4, 3),
+    (128, 32, 4, 4),
+    (128, 32, 4, 5),
+    (64, 32, 4, 4),
+    (128, 64, 4, 3),
+    (64, 64, 4, 4),
+    (128, 32, 8, 3),
+    (64, 32, 4, 3),
+    (128, 64, 8, 2),
+]
+
+
+def _bench(fn) -> float:  # type: ignore[no-untyped-def]
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: int | None = None) -> list[dict]:
+    from lightning_llmopt.kernels.flash_attention_bwd import flash_bwd
+    from lightning_llmopt.kernels.flash_attention_fwd import flash_fwd
+
+    B, H = TOKENS // S, HIDDEN // D
+    g = torch.Generator(device="cuda").manual_seed(S + D)
+    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    geo = geometry(q, k, None, None)
+    scale = 1.0 / math.sqrt(D)
+    out, lse = flash_fwd(q, k, v, geo, causal, scale, window, as_config(FWD[0]))
+    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    if window is not None:
+        flops = 4 * B * H * S * min(window, S) * D
+    rows = []
+    table = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
+    for name in passes:
+        for cand in table[name]:
+            if name == "fwd":
+                fn = lambda c=cand: flash_fwd(q, k, v, geo, causal, scale, window, as_config(c))  # noqa: E731
+                work = flops
+            else:
+                cfgs = {"dkdv": as_config(DKDV[0]), "dq": as_config(DQ[0]), name: as_config(cand)}
+                fn = lambda c=cfgs: flash_bwd(do, q, k, v, out, lse, geo, causal, scale, window, c)  # noqa: E731
+                work = 2.5 * flops
+            row = {"pass": name, "D": D, "S": S, "causal": causal, "window": window, "config": list(cand)}
+            try:
+                ms = _bench(fn)
+                row.update(ms=ms, tflops=work / ms / 1e9)
+            except Exception as e:  # out of shared memory or registers: a candidate, not a failure
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _shape(r: dict) -> tuple:
+    return r["D"], r["S"], r["causal"], r.get("window") or 0
+
+
+def summarize(rows: list[dict]) -> str:
+    lines = []
+    for name in ("fwd", "dkdv", "dq"):
+        mine = [r for r in rows if r["pass"] == name and "ms" in r]
+        if not mine:
+            continue
+        shapes = sorted({(r["D"], r["S"], r["causal"], r.get("window") or 0) for r in mine})
+        best = {s: min(r["ms"] for r in mine if _shape(r) == s) for s in shapes}
+        lines.append(f"== {name}: per shape best (config, TF/s)")
+        for s in shapes:
+            r = min((r for r in mine if _shape(r) == s), key=lambda r: r["ms"])
+            lines.append(f"  D={s[0]} S={s[1]} causal={s[2]} window={s[3]}: {tuple(r['config'])} {r['tflops']:.0f}")
+        lines.append(f"== {name}: candidates by geometric mean of time/best over {len(shapes)} shapes")
+        ranked = []
+        for cand in sorted({tuple(r["config"]) for r in mine}):
+            rel = [r["ms"] / best[_shape(r)] for r in mine if tuple(r["config"]) == cand]
+            if len(rel) == len(shapes):
+                ranked.append((math.exp(sum(map(math.log, rel)) / len(rel)), max(rel), cand))
+        for gm, worst, cand in sorted(ranked):
+            lines.append(f"  {cand}: geomean {gm:.3f}, worst {worst:.3f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--head-dims", default="128")
+    p.add_argument("--seqs", default="1024,2048,4096,8192")
+    p.add_argument("--causal", default="0,1", help="comma-separated 0/1")
+    p.add_argument("--passes", default="fwd,dkdv,dq")
+    p.add_argument("--windows", default=None, help="comma-separated sliding windows (causal shapes only)")
+    p.add_argument("--out", default=None, help="JSON-lines file for every timing")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = []
+    for D in (int(x) for x in args.head_dims.split(",")):
+        for S in (int(x) for x in args.seqs.split(",")):
+            for causal in (bool(int(x)) for x in args.causal.split(",")):
+                for window in [int(w) for w in args.windows.split(",")] if args.windows else [None]:
+                    if window is None or causal:
+                        rows += sweep_shape(D, S, causal, tuple(args.passes.split(",")), window)
+    if args.out:
+        Path(args.out).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    print(summarize(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
