@@ -288,28 +288,9 @@ def _train_pipelined(state: dict[str, torch.Tensor], schedule: str, split_backwa
     }
 
 
-@pytest.fixture(scope="module")
-def one_process() -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.from_preset("tiny", n_layers=4))
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for batch in _batches():
-        opt.zero_grad(set_to_none=True)
-        loss = _loss(model(batch["input_ids"]), batch["labels"])
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return {"state": state, "losses": losses, "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
-
-
-@pytest.fixture(scope="module")
-def one_process_microbatched() -> dict[str, Any]:
-    """One process running each step's 4 rows as 4 micro-batches with gradient accumulation, the loss of each
-    divided by 4 before its backward: the sums a pipeline computes, in one process. The full batch in one pass
-    differs from it by summation order alone (one weight of this model: 3.7e-7 relative after 5 steps on one 2-core
-    CI machine, 6.4e-6 on another and on the GPU image's CPU, for every schedule and for torch's own split alike)."""
+def _one_process(microbatches: int) -> dict[str, Any]:
+    """One process; each step's rows in ``microbatches`` micro-batches with gradient accumulation, the loss of each
+    divided by their number before its backward (1: the full batch in one pass)."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig.from_preset("tiny", n_layers=4))
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -318,14 +299,22 @@ def one_process_microbatched() -> dict[str, Any]:
     for batch in _batches():
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        rows = batch["input_ids"].shape[0]
-        for r in range(rows):
-            loss = _loss(model(batch["input_ids"][r : r + 1]), batch["labels"][r : r + 1]) / rows
+        parts = zip(batch["input_ids"].chunk(microbatches), batch["labels"].chunk(microbatches), strict=True)
+        for ids, labels in parts:
+            loss = _loss(model(ids), labels) / microbatches
             loss.backward()
             total += float(loss.detach())
         opt.step()
         losses.append(total)
     return {"state": state, "losses": losses, "params": {k: p.detach().clone() for k, p in model.named_parameters()}}
+
+
+@pytest.fixture(scope="module")
+def one_process_microbatched() -> dict[str, Any]:
+    """The sums a pipeline with M = 4 computes, in one process. The full batch in one pass differs from it by
+    summation order alone (one weight of this model: 3.7e-7 relative after 5 steps on one 2-core CI machine, 6.4e-6
+    on another and on the GPU image's CPU, for every schedule and for torch's own split alike)."""
+    return _one_process(4)
 
 
 @pytest.mark.parametrize(
