@@ -118,6 +118,8 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor, dlse: Tensor | None):  # type: ignore[override]
+        if dout is None:  # grads are not materialized: the output got none (lse never has one)
+            return None, None, None, None, None, None, None, None
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         max_seqlen, causal, softmax_scale, window = ctx.params
         bwd = _bwd_impl if _launch_directly(dout, q, k, v, cu_seqlens) else torch.ops.lightning_llmopt.flash_attn_bwd
