@@ -27,9 +27,8 @@ from lightning_llmopt.kernels.flash_attention_common import (
     ChosenConfigs,
     Geometry,
     LaunchConfig,
-    bwd_configs,
-    dq_configs,
     interpreter_block,
+    launch_configs,
     prune_for_head_dim,
     tune_key,
     use_interpreter_config,
@@ -316,8 +315,8 @@ _tuned: dict[str, object] = {}
 
 def _tuned_kernel(name: str):  # type: ignore[no-untyped-def]
     if name not in _tuned:
-        kernel, table = (_flash_bwd_dkdv_kernel, bwd_configs()) if name == "dkdv" else (_flash_bwd_dq_kernel,
-                                                                                        dq_configs())
+        kernel = _flash_bwd_dkdv_kernel if name == "dkdv" else _flash_bwd_dq_kernel
+        table = launch_configs(name)
         _tuned[name] = triton.autotune(
             configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in table],
             key=TUNE_KEY,

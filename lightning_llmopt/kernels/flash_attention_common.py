@@ -161,21 +161,6 @@ def prune_for_head_dim(kernel: str):  # type: ignore[no-untyped-def]
     return prune
 
 
-def fwd_configs() -> list[LaunchConfig]:
-    """Forward autotuning list (all head-dim classes)."""
-    return launch_configs("fwd")
-
-
-def bwd_configs() -> list[LaunchConfig]:
-    """Backward dK/dV pass autotuning list (all head-dim classes)."""
-    return launch_configs("dkdv")
-
-
-def dq_configs() -> list[LaunchConfig]:
-    """dQ pass autotuning list (all head-dim classes)."""
-    return launch_configs("dq")
-
-
 class ChosenConfigs:
     """Launch an autotuned kernel; after the search for a key, launch the configuration it chose directly.
 

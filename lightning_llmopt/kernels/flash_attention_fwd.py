@@ -30,8 +30,8 @@ from lightning_llmopt.kernels.flash_attention_common import (
     ChosenConfigs,
     Geometry,
     LaunchConfig,
-    fwd_configs,
     interpreter_block,
+    launch_configs,
     prune_for_head_dim,
     tune_key,
     use_interpreter_config,
@@ -182,7 +182,7 @@ def _tuned_fwd_kernel():  # type: ignore[no-untyped-def]
     global _tuned_fwd
     if _tuned_fwd is None:
         _tuned_fwd = triton.autotune(
-            configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in fwd_configs()],
+            configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in launch_configs("fwd")],
             key=TUNE_KEY,
             prune_configs_by={"early_config_prune": prune_for_head_dim("fwd")},
         )(_flash_fwd_kernel)
