@@ -75,19 +75,32 @@ def _bench(fn) -> float:  # type: ignore[no-untyped-def]
     return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
-def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: int | None = None) -> list[dict]:
+def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: int | None = None,
+                pack: str | None = None) -> list[dict]:
+    """``pack``: ``"equal"`` or ``"random"`` times the packed 16-document layouts of bench_attention's varlen family
+    (16k tokens, ``S`` is then ignored and reported as 0) instead of ``B = 16k / S`` dense sequences."""
     from lightning_llmopt.kernels.flash_attention_bwd import flash_bwd
     from lightning_llmopt.kernels.flash_attention_fwd import flash_fwd
 
     B, H = TOKENS // S, HIDDEN // D
     g = torch.Generator(device="cuda").manual_seed(S + D)
-    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-    geo = geometry(q, k, None, None)
     scale = 1.0 / math.sqrt(D)
+    if pack is None:
+        q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        geo = geometry(q, k, None, None)
+        lengths = [S] * B
+    else:
+        from bench_attention import varlen_lengths
+
+        lengths = varlen_lengths(pack)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        q, k, v, do = (torch.randn(TOKENS, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        geo = geometry(q, k, cu, max(lengths))
+        S = 0
     out, lse = flash_fwd(q, k, v, geo, causal, scale, window, as_config(FWD[0]))
-    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    flops = sum(4 * H * L * L * D * (0.5 if causal else 1.0) for L in lengths)
     if window is not None:
-        flops = 4 * B * H * S * min(window, S) * D
+        flops = sum(4 * H * L * min(window, L) * D for L in lengths)
     rows = []
     table = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
     for name in passes:
@@ -100,6 +113,8 @@ def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: i
                 fn = lambda c=cfgs: flash_bwd(do, q, k, v, out, lse, geo, causal, scale, window, c)  # noqa: E731
                 work = 2.5 * flops
             row = {"pass": name, "D": D, "S": S, "causal": causal, "window": window, "config": list(cand)}
+            if pack is not None:
+                row["pack"] = pack
             try:
                 ms = _bench(fn)
                 row.update(ms=ms, tflops=work / ms / 1e9)
@@ -111,7 +126,7 @@ def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: i
 
 
 def _shape(r: dict) -> tuple:
-    return r["D"], r["S"], r["causal"], r.get("window") or 0
+    return r["D"], r["S"], r["causal"], r.get("window") or 0, r.get("pack") or ""
 
 
 def summarize(rows: list[dict]) -> str:
@@ -120,12 +135,13 @@ def summarize(rows: list[dict]) -> str:
         mine = [r for r in rows if r["pass"] == name and "ms" in r]
         if not mine:
             continue
-        shapes = sorted({(r["D"], r["S"], r["causal"], r.get("window") or 0) for r in mine})
+        shapes = sorted({_shape(r) for r in mine})
         best = {s: min(r["ms"] for r in mine if _shape(r) == s) for s in shapes}
         lines.append(f"== {name}: per shape best (config, TF/s)")
         for s in shapes:
             r = min((r for r in mine if _shape(r) == s), key=lambda r: r["ms"])
-            lines.append(f"  D={s[0]} S={s[1]} causal={s[2]} window={s[3]}: {tuple(r['config'])} {r['tflops']:.0f}")
+            lines.append(f"  D={s[0]} S={s[1]} causal={s[2]} window={s[3]} pack={s[4] or '-'}: {tuple(r['config'])} "
+                         f"{r['tflops']:.0f}")
         lines.append(f"== {name}: candidates by geometric mean of time/best over {len(shapes)} shapes")
         ranked = []
         for cand in sorted({tuple(r["config"]) for r in mine}):
@@ -144,14 +160,20 @@ def main() -> int:
     p.add_argument("--causal", default="0,1", help="comma-separated 0/1")
     p.add_argument("--passes", default="fwd,dkdv,dq")
     p.add_argument("--windows", default=None, help="comma-separated sliding windows (causal shapes only)")
+    p.add_argument("--packs", default=None, help="comma-separated packed layouts (equal, random) instead of --seqs")
     p.add_argument("--out", default=None, help="JSON-lines file for every timing")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     rows = []
+    if args.packs:
+        for D in (int(x) for x in args.head_dims.split(",")):
+            for pack in args.packs.split(","):
+                rows += sweep_shape(D, TOKENS, True, tuple(args.passes.split(",")), pack=pack)
+        args.seqs = ""
     for D in (int(x) for x in args.head_dims.split(",")):
-        for S in (int(x) for x in args.seqs.split(",")):
+        for S in (int(x) for x in args.seqs.split(",") if x):
             for causal in (bool(int(x)) for x in args.causal.split(",")):
                 for window in [int(w) for w in args.windows.split(",")] if args.windows else [None]:
                     if window is None or causal:
