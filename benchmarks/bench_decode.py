@@ -319,6 +319,13 @@ def _breakdown(engine: Any, model: Any) -> dict[str, float]:
     }
 
 
+def _gemv_key(key: tuple) -> str:
+    """A LinearChooser key as text: ``NxK`` (one weight) or ``qkv:NxK+NxK+NxK`` / ``swiglu:NxK+NxK`` (fused)."""
+    if isinstance(key[0], str):
+        return key[0] + ":" + "+".join(f"{s[0]}x{s[1]}" for s in key[1:] if isinstance(s, tuple))
+    return f"{key[0][0]}x{key[0][1]}"
+
+
 def _quantized_decode(
     model: Any, prompt: torch.Tensor, prompt_len: int, n1: int, n2: int, ceil: dict, bf16_tok_s: float
 ) -> list[dict]:
@@ -397,7 +404,8 @@ def family_decode(smoke: bool, hf_compile: bool, compile_budget: int) -> list[di
         if graphs and not smoke:
             r.update(_breakdown(engine, model))
         if engine.runner.linear is not None:
-            r["gemv_shapes"] = sorted(f"{k[0][0]}x{k[0][1]}" for k, v in engine.runner.linear.use_gemv.items() if v)
+            r["gemv_shapes"] = sorted({_gemv_key(k) for k, v in engine.runner.linear.use_gemv.items() if v})
+            r["cublas_shapes"] = sorted({_gemv_key(k) for k, v in engine.runner.linear.use_gemv.items() if not v})
         results.append(r)
         print(
             f"{r['variant']}: {r['decode_tok_s']:.1f} tok/s = {r['vs_roofline']:.1%} of roofline {roofline:.1f}",

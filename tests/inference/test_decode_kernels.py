@@ -105,3 +105,82 @@ def test_gemv(N, K, bias):
     # fp32 both ways, different summation order: a few ulps of the sum of |terms|
     scale = (lin.weight.abs() * x.abs()).sum(1).max().item()
     assert (out - ref).abs().max().item() <= 8 * torch.finfo(torch.float32).eps * scale
+
+
+@pytest.mark.parametrize(
+    ("sizes", "K", "bias"), [((40, 24, 24), 72, False), ((17, 9, 9), 130, True), ((33,), 64, True)]
+)
+def test_gemv_cat(sizes, K, bias):
+    """q, k and v in one launch: rows of the concatenated weights (segments need not align with the row tiles)."""
+    from lightning_llmopt.inference.decode_kernels import gemv_cat
+
+    g = torch.Generator().manual_seed(5)
+    lins = [torch.nn.Linear(K, n, bias=bias).to(DEVICE) for n in sizes]
+    x = torch.randn(1, K, generator=g).to(DEVICE)
+    with torch.no_grad():
+        ref = torch.cat([lin(x) for lin in lins], dim=-1)
+        out = gemv_cat(x, [lin.weight for lin in lins], [lin.bias for lin in lins] if bias else None)
+    assert out.shape == ref.shape
+    w = torch.cat([lin.weight for lin in lins])
+    scale = (w.abs() * x.abs()).sum(1).max().item()
+    assert (out - ref).abs().max().item() <= 8 * torch.finfo(torch.float32).eps * scale
+
+
+@pytest.mark.parametrize(("N", "K", "dtype"), [(40, 72, torch.float16), (19, 130, torch.float32)])
+def test_gemv_swiglu_rounds_like_the_separate_kernels(N, K, dtype):
+    """The fused gate/up GEMV with the SiLU epilogue equals ``silu_mul(gemv(gate), gemv(up))`` bit for bit (same
+    summation order, same rounding points) and the PyTorch expression within the products' rounding."""
+    from lightning_llmopt.inference.decode_kernels import gemv, gemv_swiglu, silu_mul
+
+    g = torch.Generator().manual_seed(6)
+    gate, up = (torch.randn(N, K, generator=g).to(DEVICE, dtype) / K**0.5 for _ in range(2))
+    x = torch.randn(1, K, generator=g).to(DEVICE, dtype)
+    out = gemv_swiglu(x, gate, up)
+    assert torch.equal(out, silu_mul(gemv(x, gate), gemv(x, up)))
+    ref = F.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
+    assert (out.double() - ref).abs().max().item() <= 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1.0)
+
+
+def test_gemv_rejects_mismatched_weights():
+    from lightning_llmopt.inference.decode_kernels import gemv_cat, gemv_swiglu
+
+    x = torch.randn(1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="share K"):
+        gemv_cat(x, [torch.randn(4, 8, device=DEVICE), torch.randn(4, 6, device=DEVICE)])
+    with pytest.raises(ValueError, match="one to three"):
+        gemv_cat(x, [torch.randn(4, 8, device=DEVICE)] * 4)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        gemv_swiglu(x, torch.randn(4, 8, device=DEVICE), torch.randn(5, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("has_delta", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norm_gemvs_match_add_rms_norm_then_gemv(has_delta, dtype):
+    """RMSNorm (with the residual add) fused into the q/k/v and gate/up GEMVs: the residual equals add_rms_norm's bit
+    for bit, and the products agree with add_rms_norm + GEMV within the rounding of the normalised input, which the
+    fused kernel skips (two roundings of each input element, a few ulps of the sum of |terms|)."""
+    from lightning_llmopt.inference.decode_kernels import (
+        add_rms_norm,
+        gemv_cat,
+        gemv_swiglu,
+        norm_gemv_cat,
+        norm_gemv_swiglu,
+    )
+
+    g = torch.Generator().manual_seed(7)
+    K = 136
+    x = torch.randn(1, K, generator=g).to(DEVICE, dtype)
+    delta = torch.randn(1, K, generator=g).to(DEVICE, dtype) if has_delta else None
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, dtype)
+    ws = [(torch.randn(n, K, generator=g) / K**0.5).to(DEVICE, dtype) for n in (48, 16, 16)]
+    h, res_ref = add_rms_norm(x, nw, 1e-5, delta)
+    y, res = norm_gemv_cat(x, nw, 1e-5, delta, ws)
+    assert torch.equal(res, res_ref)
+    ref = gemv_cat(h, ws)
+    eps = torch.finfo(dtype).eps
+    scale = (torch.cat(ws).float().abs() * h.float().abs()).sum(1).max().item()
+    assert (y.float() - ref.float()).abs().max().item() <= 6 * eps * max(scale, 1.0)
+    s, res2 = norm_gemv_swiglu(x, nw, 1e-5, delta, ws[1], ws[2])
+    assert torch.equal(res2, res_ref)
+    s_ref = gemv_swiglu(h, ws[1], ws[2])
+    assert (s.float() - s_ref.float()).abs().max().item() <= 8 * eps * max(s_ref.float().abs().max().item(), 1.0)

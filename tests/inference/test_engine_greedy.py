@@ -160,3 +160,7 @@ def test_triton_kernels_in_interpreter(model_factory, reference, prompts_factory
         model, block_size=8, num_blocks=32, max_num_batched_tokens=12, attention_backend="triton", fused_kernels=True
     )
     _run(engine, model, prompts, reference, [6, 6, 6])
+    # batch 1 with every product through the Triton GEMVs: norm + q/k/v and norm + gate/up in one launch each
+    engine.runner.linear.force = True
+    _run(engine, model, prompts[1:2], reference, [6])
+    assert engine.runner.linear.fused_calls > 0
