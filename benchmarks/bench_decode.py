@@ -403,6 +403,8 @@ def family_decode(smoke: bool, hf_compile: bool, compile_budget: int) -> list[di
         )
         if graphs and not smoke:
             r.update(_breakdown(engine, model))
+            if "graph_step_ms" in r:  # what a token costs beyond the captured step: scheduling, sampling, read-back
+                r["host_ms_per_token"] = 1e3 / r["decode_tok_s"] - r["graph_step_ms"]
         if engine.runner.linear is not None:
             r["gemv_shapes"] = sorted({_gemv_key(k) for k, v in engine.runner.linear.use_gemv.items() if v})
             r["cublas_shapes"] = sorted({_gemv_key(k) for k, v in engine.runner.linear.use_gemv.items() if not v})

@@ -56,7 +56,13 @@ def _pdl(device: torch.device) -> bool:
     write. Needs compute capability 9.0 or later and a compiled kernel (not the interpreter)."""
     if gdc_wait is None or device.type != "cuda" or os.environ.get("LLMOPT_PDL", "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _HOPPER[index]
+
+
+_HOPPER: dict[int, bool] = {}  # device index -> compute capability 9.0 or later
 
 __all__ = ["LinearChooser", "add_rms_norm", "fused_forward", "gemv", "gemv_cat", "gemv_swiglu", "norm_gemv_cat",
            "norm_gemv_swiglu", "rope_store", "silu_mul"]
