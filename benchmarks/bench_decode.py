@@ -383,7 +383,9 @@ def family_decode(smoke: bool, hf_compile: bool, compile_budget: int) -> list[di
     step_bytes = model_bytes - emb.numel() * emb.element_size() + kv_per_token * (prompt_len + (n1 + n2) // 2)
     roofline = ceil["copy_tb_per_s"] * 1e12 / model_bytes
     results, peers, notes = [], [], []
-    for graphs in (True, False):
+    # decode_steps=8: eight greedy steps per host round trip (inference/multi_step.py)
+    for graphs, steps, name in ((True, 1, "ours-cuda-graphs"), (True, 8, "ours-cuda-graphs-8steps"),
+                                (False, 1, "ours-eager")):
         engine = LLMEngine(
             model,
             num_blocks=2 * math.ceil((prompt_len + n2) / 16) + 2,
@@ -391,17 +393,18 @@ def family_decode(smoke: bool, hf_compile: bool, compile_budget: int) -> list[di
             enable_prefix_caching=False,
             cuda_graphs=graphs,
             graph_batch_sizes=(1,),
+            decode_steps=steps,
         )
         m1, m2 = (n1, n2) if graphs else (n1 // 2, n1 + n1 // 2)  # the slow variant: fewer tokens
         r = _decode_rate(
             lambda n: engine.generate([prompt.tolist()], SamplingParams(max_tokens=n, ignore_eos=True)), m1, m2, 2
         )
         r.update(
-            variant="ours-cuda-graphs" if graphs else "ours-eager",
+            variant=name,
             vs_roofline=r["decode_tok_s"] / roofline,
             vs_step_bytes_roofline=r["decode_tok_s"] * step_bytes / (ceil["copy_tb_per_s"] * 1e12),
         )
-        if graphs and not smoke:
+        if graphs and steps == 1 and not smoke:
             r.update(_breakdown(engine, model))
             if "graph_step_ms" in r:  # what a token costs beyond the captured step: scheduling, sampling, read-back
                 r["host_ms_per_token"] = 1e3 / r["decode_tok_s"] - r["graph_step_ms"]

@@ -41,6 +41,10 @@ class EngineConfig:
         seed: seeds the engine's generator (requests without their own seed draw from it).
         speculative: a :class:`~lightning_llmopt.inference.speculative.SpeculativeConfig` to decode speculatively
             (draft model, prompt lookup or quantized self-drafting), or ``None``.
+        decode_steps: when every running sequence decodes greedily, no request waits for admission and the step
+            replays a CUDA graph, run up to this many decode steps with the tokens fed back on the device and read
+            back once (:mod:`~lightning_llmopt.inference.multi_step`): the host's per-step work is paid once per run.
+            Output is unchanged; a stop token inside a run wastes the rest of it. ``1``: one step per round trip.
     """
 
     block_size: int = 16
@@ -61,9 +65,10 @@ class EngineConfig:
     admission_batch: int = 1
     seed: int = 0
     speculative: SpeculativeConfig | None = None
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "admission_batch"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "admission_batch", "decode_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")

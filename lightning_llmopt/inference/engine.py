@@ -28,6 +28,7 @@ from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, graph_sizes, st
 from lightning_llmopt.inference.engine_outputs import EngineOutputs
 from lightning_llmopt.inference.inputs import Prompt, encode_prompt, prepare_batch, validate_prompt
 from lightning_llmopt.inference.kv_pool import KVPool, KVScales, block_bytes, blocks_from_free_memory
+from lightning_llmopt.inference.multi_step import greedy_steps, steps_for
 from lightning_llmopt.inference.prefix_cache import RadixCache
 from lightning_llmopt.inference.quant import calibrate_kv_scales
 from lightning_llmopt.inference.request import Completion, Request, RequestMetrics, StreamEvent, now
@@ -243,6 +244,12 @@ class LLMEngine(EngineOutputs):
         work = ModelRunner.order(sched.work)
         decode_only = all(w.samples and w.seq.num_output > 0 and w.start == w.seq.num_computed for w in work)
         decode_only = decode_only and all(w.num_tokens == w.num_logits for w in work)
+        k = steps_for(self, work) if decode_only else 1
+        if k > 1:  # several greedy steps in one host round trip
+            events = greedy_steps(self, work, k)
+            if events is not None:
+                self.stats.busy_s += now() - start
+                return events
         t0 = now()
         work, logits = step_logits(self.graphs, self.runner, work)
         if self.spec is not None:

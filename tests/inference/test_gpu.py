@@ -72,6 +72,25 @@ def test_bf16_greedy_matches_full_recompute():
     assert engine.blocks.allocator.num_free == engine.blocks.allocator.capacity
 
 
+def test_greedy_runs_of_captured_steps_match_full_recompute():
+    """decode_steps=8 on the GPU: runs of eight graph replays with the argmax fed back on the device, token-identical
+    to full recompute in bf16, at batch 1 and across a mixed-length batch."""
+    model = _trained_model()
+    g = torch.Generator().manual_seed(5)
+    prompts = [_periodic(g, 1, n)[0].tolist() for n in (18, 35, 61)]
+    new = 64
+    refs = [
+        greedy_generate(model, torch.tensor([p], device="cuda"), new, use_cache=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    engine = LLMEngine(model, block_size=16, num_blocks=256, max_num_seqs=8, decode_steps=8)
+    assert engine.graphs is not None
+    assert [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=new)] * 3)] == refs
+    assert engine.generate(prompts[:1], SamplingParams(max_tokens=new))[0].token_ids == refs[0]
+    engine.prefix_cache.clear()
+    assert engine.blocks.allocator.num_free == engine.blocks.allocator.capacity
+
+
 def test_quantized_model_batch1_through_fused_decode():
     """A quantized model on the fused CUDA decode path: QuantizedLinear layers have no dense ``weight`` and must run
     their own kernels at batch 1 (this crashed once with AttributeError in the GEMV chooser)."""
