@@ -2,7 +2,7 @@
 # Issue 8 on one GPU: the gpu-marked inference/paged-attention tests, then each decode benchmark family in its own
 # process with its own time limit (a family that fails or runs out of time does not stop the others), then
 # docs/results.md. Records and one log are copied into $OUT when it is set, also after a failure.
-#   bash benchmarks/run_decode_gpu.sh [families...]   (default: tests kernel decode serve; also: hf-compile)
+#   bash benchmarks/run_decode_gpu.sh [families...]   (default: tests kernel decode serve; also: hf-compile, serve-queue)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -27,6 +27,7 @@ for f in "${families[@]}"; do
     kernel) step 40 python3 benchmarks/bench_decode.py --family kernel ;;
     decode) step 60 python3 benchmarks/bench_decode.py --family decode ;;
     serve) step 80 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
+    serve-queue) step 420 python3 benchmarks/bench_decode.py --family serve --requests 1024 --no-hf ;;
     hf-compile) step 200 python3 benchmarks/bench_decode.py --family decode --hf-compile --compile-budget 150 ;;
     *) echo "unknown family $f" | tee -a "$LOG"; status=1 ;;
   esac
