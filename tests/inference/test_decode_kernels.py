@@ -156,9 +156,10 @@ def test_gemv_rejects_mismatched_weights():
 @pytest.mark.parametrize("has_delta", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_norm_gemvs_match_add_rms_norm_then_gemv(has_delta, dtype):
-    """RMSNorm (with the residual add) fused into the q/k/v and gate/up GEMVs: the residual equals add_rms_norm's bit
-    for bit, and the products agree with add_rms_norm + GEMV within the rounding of the normalised input, which the
-    fused kernel skips (two roundings of each input element, a few ulps of the sum of |terms|)."""
+    """RMSNorm (with the residual add) fused into the q/k/v (with biases, Qwen-style) and gate/up GEMVs: the residual
+    equals add_rms_norm's bit for bit, and the products agree with add_rms_norm + GEMV within the rounding of the
+    normalised input, which the fused kernel skips (two roundings of each input element, a few ulps of the sum of
+    |terms|)."""
     from lightning_llmopt.inference.decode_kernels import (
         add_rms_norm,
         gemv_cat,
@@ -173,10 +174,11 @@ def test_norm_gemvs_match_add_rms_norm_then_gemv(has_delta, dtype):
     delta = torch.randn(1, K, generator=g).to(DEVICE, dtype) if has_delta else None
     nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, dtype)
     ws = [(torch.randn(n, K, generator=g) / K**0.5).to(DEVICE, dtype) for n in (48, 16, 16)]
+    biases = [torch.randn(w.shape[0], generator=g).to(DEVICE, dtype) for w in ws] if has_delta else None
     h, res_ref = add_rms_norm(x, nw, 1e-5, delta)
-    y, res = norm_gemv_cat(x, nw, 1e-5, delta, ws)
+    y, res = norm_gemv_cat(x, nw, 1e-5, delta, ws, biases)
     assert torch.equal(res, res_ref)
-    ref = gemv_cat(h, ws)
+    ref = gemv_cat(h, ws, biases)
     eps = torch.finfo(dtype).eps
     scale = (torch.cat(ws).float().abs() * h.float().abs()).sum(1).max().item()
     assert (y.float() - ref.float()).abs().max().item() <= 6 * eps * max(scale, 1.0)
