@@ -300,7 +300,7 @@ def _breakdown(engine: Any, model: Any) -> dict[str, float]:
             lin(inp)
     lin_ms = records.timeit_median(graph.replay, 5, 50)
     lin_bytes = sum(lin.weight.numel() * lin.weight.element_size() for lin, _ in linears)
-    from lightning_llmopt.inference.decode_kernels import gemv
+    from lightning_llmopt.inference.gemv import gemv
 
     for lin, inp in linears:
         gemv(inp, lin.weight)  # autotuned outside the capture

@@ -136,7 +136,7 @@ class ModelRunner:
         self.fused = fused
         self.linear = None
         if fused:
-            from lightning_llmopt.inference.decode_kernels import LinearChooser
+            from lightning_llmopt.inference.linear_chooser import LinearChooser
 
             self.linear = LinearChooser()
 

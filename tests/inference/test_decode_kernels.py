@@ -94,7 +94,7 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize(("N", "K", "bias"), [(40, 72, False), (17, 130, True)])
 def test_gemv(N, K, bias):
-    from lightning_llmopt.inference.decode_kernels import gemv
+    from lightning_llmopt.inference.gemv import gemv
 
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(K, N, bias=bias).to(DEVICE)
@@ -112,7 +112,7 @@ def test_gemv(N, K, bias):
 )
 def test_gemv_cat(sizes, K, bias):
     """q, k and v in one launch: rows of the concatenated weights (segments need not align with the row tiles)."""
-    from lightning_llmopt.inference.decode_kernels import gemv_cat
+    from lightning_llmopt.inference.gemv import gemv_cat
 
     g = torch.Generator().manual_seed(5)
     lins = [torch.nn.Linear(K, n, bias=bias).to(DEVICE) for n in sizes]
@@ -130,7 +130,8 @@ def test_gemv_cat(sizes, K, bias):
 def test_gemv_swiglu_rounds_like_the_separate_kernels(N, K, dtype):
     """The fused gate/up GEMV with the SiLU epilogue equals ``silu_mul(gemv(gate), gemv(up))`` bit for bit (same
     summation order, same rounding points) and the PyTorch expression within the products' rounding."""
-    from lightning_llmopt.inference.decode_kernels import gemv, gemv_swiglu, silu_mul
+    from lightning_llmopt.inference.decode_kernels import silu_mul
+    from lightning_llmopt.inference.gemv import gemv, gemv_swiglu
 
     g = torch.Generator().manual_seed(6)
     gate, up = (torch.randn(N, K, generator=g).to(DEVICE, dtype) / K**0.5 for _ in range(2))
@@ -142,7 +143,7 @@ def test_gemv_swiglu_rounds_like_the_separate_kernels(N, K, dtype):
 
 
 def test_gemv_rejects_mismatched_weights():
-    from lightning_llmopt.inference.decode_kernels import gemv_cat, gemv_swiglu
+    from lightning_llmopt.inference.gemv import gemv_cat, gemv_swiglu
 
     x = torch.randn(1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="share K"):
@@ -160,13 +161,8 @@ def test_norm_gemvs_match_add_rms_norm_then_gemv(has_delta, dtype):
     equals add_rms_norm's bit for bit, and the products agree with add_rms_norm + GEMV within the rounding of the
     normalised input, which the fused kernel skips (two roundings of each input element, a few ulps of the sum of
     |terms|)."""
-    from lightning_llmopt.inference.decode_kernels import (
-        add_rms_norm,
-        gemv_cat,
-        gemv_swiglu,
-        norm_gemv_cat,
-        norm_gemv_swiglu,
-    )
+    from lightning_llmopt.inference.decode_kernels import add_rms_norm
+    from lightning_llmopt.inference.gemv import gemv_cat, gemv_swiglu, norm_gemv_cat, norm_gemv_swiglu
 
     g = torch.Generator().manual_seed(7)
     K = 136
