@@ -46,16 +46,21 @@ def _trained_model() -> Llama:
     return model.to(torch.bfloat16).eval()
 
 
+def _full_recompute(model, prompts, new):
+    """Greedy continuations of ``prompts`` by the reference model without a cache (the engine's yardstick)."""
+    return [
+        greedy_generate(model, torch.tensor([p], device="cuda"), new, use_cache=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+
+
 def test_bf16_greedy_matches_full_recompute():
     model = _trained_model()
     g = torch.Generator().manual_seed(2)
     lengths = [17, 21, 33, 48, 70, 90]
     prompts = [_periodic(g, 1, n)[0].tolist() for n in lengths]
     new = 64
-    refs = [
-        greedy_generate(model, torch.tensor([p], device="cuda"), new, use_cache=False)[0, len(p) :].tolist()
-        for p in prompts
-    ]
+    refs = _full_recompute(model, prompts, new)
     for p, r in zip(prompts, refs, strict=True):  # the task is solved: the reference continues the pattern
         assert r == [p[(len(p) + i) % PERIOD] for i in range(new)]
     engine = LLMEngine(model, block_size=16, num_blocks=256, max_num_batched_tokens=64, max_num_seqs=8)
@@ -79,10 +84,7 @@ def test_greedy_runs_of_captured_steps_match_full_recompute():
     g = torch.Generator().manual_seed(5)
     prompts = [_periodic(g, 1, n)[0].tolist() for n in (18, 35, 61)]
     new = 64
-    refs = [
-        greedy_generate(model, torch.tensor([p], device="cuda"), new, use_cache=False)[0, len(p) :].tolist()
-        for p in prompts
-    ]
+    refs = _full_recompute(model, prompts, new)
     engine = LLMEngine(model, block_size=16, num_blocks=256, max_num_seqs=8, decode_steps=8)
     assert engine.graphs is not None
     assert [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=new)] * 3)] == refs
@@ -116,10 +118,7 @@ def test_speculative_steps_replay_cuda_graphs():
     g = torch.Generator().manual_seed(4)
     prompts = [_periodic(g, 1, n)[0].tolist() for n in (19, 40, 66)]
     new = 48
-    refs = [
-        greedy_generate(model, torch.tensor([p], device="cuda"), new, use_cache=False)[0, len(p) :].tolist()
-        for p in prompts
-    ]
+    refs = _full_recompute(model, prompts, new)
     for spec in (
         SpeculativeConfig("draft", draft_model=model, num_tokens=4, adaptive=False),
         SpeculativeConfig("self_quantized", quant_bits=8, num_tokens=4, adaptive=False),
@@ -141,10 +140,7 @@ def test_graphs_captured_at_start_serve_identically():
     model = _trained_model()
     g = torch.Generator().manual_seed(5)
     prompts = [_periodic(g, 1, n)[0].tolist() for n in (21, 37)]
-    refs = [
-        greedy_generate(model, torch.tensor([p], device="cuda"), 32, use_cache=False)[0, len(p) :].tolist()
-        for p in prompts
-    ]
+    refs = _full_recompute(model, prompts, 32)
     spec = SpeculativeConfig("draft", draft_model=model, num_tokens=3)
     engine = LLMEngine(model, block_size=16, num_blocks=256, max_num_seqs=4, speculative=spec)
     assert set(engine.graphs.graphs) == set(engine.graphs.sizes)
