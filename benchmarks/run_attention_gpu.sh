@@ -15,14 +15,8 @@ MODE="${1:-dense}"
 RESULTS="${OUT:-$(mktemp -d)}"
 LOG="$RESULTS/attention_gpu.log"
 
-step() {  # step <seconds> <command...>
-  local limit="$1"
-  shift
-  echo "=== $(date +%T) $* (limit ${limit}s)" | tee -a "$LOG"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  echo "=== $(date +%T) exit ${PIPESTATUS[0]}" | tee -a "$LOG"
-  return 0
-}
+copy_out() { :; }  # records are written straight to $RESULTS; nothing to copy after a step
+source "benchmarks/gpu_step.sh"  # step <seconds> <command...>
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv | tee -a "$LOG"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"

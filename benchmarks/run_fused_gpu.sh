@@ -15,15 +15,8 @@ shift || true
 RESULTS="${OUT:-$(mktemp -d)}"  # records go straight to $OUT: a run cut off at its time limit keeps them
 LOG="$RESULTS/fused_gpu.log"
 
-step() {  # step <seconds> <command...>
-  local limit="$1"
-  shift
-  echo "=== $(date +%T) $* (limit ${limit}s)" | tee -a "$LOG"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
-  local code=${PIPESTATUS[0]}
-  echo "=== $(date +%T) exit $code" | tee -a "$LOG"
-  return 0
-}
+copy_out() { :; }  # records are written straight to $RESULTS; nothing to copy after a step
+source "benchmarks/gpu_step.sh"  # step <seconds> <command...>
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv | tee -a "$LOG"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
