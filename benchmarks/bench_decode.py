@@ -480,7 +480,8 @@ def _workload(n: int, vocab: int, prompt_range: tuple[int, int], out: str, seed:
 WARM_REQUESTS = 128  # untimed pass before each timed serving run: the whole workload up to this many requests
 
 
-def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int, admission_batch: int = 1) -> dict[str, Any]:
+def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int,
+                admission_batch: int | None = None) -> dict[str, Any]:
     engine = LLMEngine(
         model,
         num_blocks=num_blocks,
@@ -505,7 +506,7 @@ def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int, admission_
     engine = None
     _free()
     return {
-        "variant": f"ours-{policy}" + (f"-admit{admission_batch}" if admission_batch > 1 else ""),
+        "variant": f"ours-{policy}" + (f"-admit{admission_batch}" if admission_batch is not None else ""),
         "wall_s": wall,
         "throughput_tok_s": useful / wall,
         "ttft_mean_s": s["ttft_mean_s"],
@@ -544,8 +545,9 @@ def family_serve(smoke: bool, requests: int, with_hf: bool) -> list[dict]:
     for out in outs:
         reqs = _workload(8 if smoke else requests, vocab, prompt_range, out, seed=1)
         num_blocks = 64 * math.ceil((prompt_range[1] + int(out.split("-")[-1])) / 16) + 1
+        # the default admission batch is min(8, max_num_seqs) = 8; 16 groups the prefills of twice as many requests
         results = [_serve_ours(model, reqs, "continuous", num_blocks)]
-        results.append(_serve_ours(model, reqs, "continuous", num_blocks, admission_batch=2 if smoke else 8))
+        results.append(_serve_ours(model, reqs, "continuous", num_blocks, admission_batch=2 if smoke else 16))
         peers = [_serve_ours(model, reqs, "static", num_blocks)]
         if with_hf and out == outs[0]:
             peers.append(_serve_hf(hf, reqs, 64))

@@ -38,13 +38,19 @@ class EngineConfig:
         admission_batch: continuous batching admits waiting requests while others run only once this many slots
             are free (or as many as are waiting): new prompts are prefilled together in one step instead of one per
             step, each such step costing an eager prefill pass beside the graphed decodes. ``1`` admits at once.
+            Default ``min(8, max_num_seqs)``: it only matters when more requests wait than slots are free, and there
+            (llama2-7b shape, H100, 1,024 queued requests, 64 running) 8 against 1 raised throughput 1.32x
+            (long-tailed outputs) and 1.33x (uniform outputs) and cut the mean time to first token by 27%.
         seed: seeds the engine's generator (requests without their own seed draw from it).
         speculative: a :class:`~lightning_llmopt.inference.speculative.SpeculativeConfig` to decode speculatively
             (draft model, prompt lookup or quantized self-drafting), or ``None``.
         decode_steps: when every running sequence decodes greedily, no request waits for admission and the step
             replays a CUDA graph, run up to this many decode steps with the tokens fed back on the device and read
             back once (:mod:`~lightning_llmopt.inference.multi_step`): the host's per-step work is paid once per run.
-            Output is unchanged; a stop token inside a run wastes the rest of it. ``1``: one step per round trip.
+            Output is unchanged; a stop token inside a run wastes the rest of it, and streamed tokens arrive a run at
+            a time. ``1``: one step per round trip. Default 8: at batch 1 (llama2-7b shape, H100, five runs) it ran
+            78.4-87.1% of the roofline against 75.2-83.0% for one step, ahead in four runs of five; a slow host gains
+            most.
     """
 
     block_size: int = 16
@@ -62,17 +68,19 @@ class EngineConfig:
     attention_backend: str = "auto"
     fused_kernels: bool | None = None
     policy: str = "continuous"
-    admission_batch: int = 1
+    admission_batch: int | None = None
     seed: int = 0
     speculative: SpeculativeConfig | None = None
-    decode_steps: int = 1
+    decode_steps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "admission_batch", "decode_steps"):
             value = getattr(self, name)
+            if name == "admission_batch" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
-        if self.admission_batch > self.max_num_seqs:
+        if self.admission_batch is not None and self.admission_batch > self.max_num_seqs:
             raise ValueError(f"admission_batch ({self.admission_batch}) must be <= max_num_seqs ({self.max_num_seqs})")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks ({self.num_blocks}) must be >= 2 (block 0 is reserved)")
@@ -94,3 +102,8 @@ class EngineConfig:
         self.graph_batch_sizes = sizes
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise TypeError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
+
+    @property
+    def admission(self) -> int:
+        """``admission_batch``, or its default ``min(8, max_num_seqs)``."""
+        return self.admission_batch if self.admission_batch is not None else min(8, self.max_num_seqs)

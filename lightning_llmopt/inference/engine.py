@@ -102,7 +102,7 @@ class LLMEngine(EngineOutputs):
             config.max_num_batched_tokens,
             config.policy,
             cfg.sliding_window,
-            config.admission_batch,
+            config.admission,
         )
         self.runner = ModelRunner(model, self.pool, config.attention_backend, config.fused_kernels)
         self.graphs = None

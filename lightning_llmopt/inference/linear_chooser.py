@@ -113,14 +113,33 @@ class LinearChooser:
         from triton.testing import do_bench
 
         triton_fn()  # autotunes
-        # interleaved, best of three each: one timing of a few microseconds moves by several percent
+        # Each candidate is timed as the replay of a CUDA graph holding one call, as the decode step runs it: timed
+        # as plain launches, a product of 10-20 us measures the host's launch cost instead wherever that is slower
+        # than the GPU (a Triton launch costs more host time than a cuBLAS one), and the choice then depended on the
+        # host: the same H100 model chose cuBLAS for wo on slow hosts. Interleaved, best of three each: one timing of
+        # a few microseconds moves by several percent.
+        replays = [_captured(fn) for fn in (triton_fn, torch_fn)]
         t_triton, t_torch = float("inf"), float("inf")
         for _ in range(3):
-            t_triton = min(t_triton, do_bench(triton_fn, warmup=5, rep=25, return_mode="median"))
-            t_torch = min(t_torch, do_bench(torch_fn, warmup=5, rep=25, return_mode="median"))
-        # Inside the decode graph a GEMV launched as a programmatic dependent overlaps the drain of the kernel before
-        # it, which these isolated timings cannot show: there, 32 wo products (4096x4096) took 0.446 ms through
-        # the GEMV against 0.530 ms through cuBLAS (H100, 2026-11-25) while isolated timings called it a tie.
+            t_triton = min(t_triton, do_bench(replays[0].replay, warmup=5, rep=25, return_mode="median"))
+            t_torch = min(t_torch, do_bench(replays[1].replay, warmup=5, rep=25, return_mode="median"))
+        # Inside the decode graph a GEMV launched as a programmatic dependent also overlaps the drain of the kernel
+        # before it, which a graph of one call cannot show: there, 32 wo products (4096x4096) took 0.446 ms through
+        # the GEMV against 0.530 ms through cuBLAS (H100, 2026-11-25) while isolated timings called it a tie. With
+        # PDL the GEMV stays unless cuBLAS is more than 5% faster.
         margin = 1.05 if pdl_enabled(torch.device("cuda")) else 1.0
         self.use_gemv[key] = t_triton < t_torch * margin
         return self.use_gemv[key]
+
+
+def _captured(fn: Any) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one ``fn()`` call (warmed up on a side stream first, as capture requires)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

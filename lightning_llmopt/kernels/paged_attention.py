@@ -30,8 +30,9 @@ __all__ = ["choose_splits", "paged_attention", "resolve_paged_backend"]
 _ENV = "LLMOPT_PAGED_BACKEND"
 _BACKENDS = ("auto", "triton", "reference")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, combine) outweighs the parallelism gained
-PROGRAMS_PER_SM = 4
+MIN_TOKENS_PER_SPLIT = 256  # the grid gets no more splits than max_span / this (a split's fixed cost: q load, merge)
+MIN_PIECE = 64  # a row's piece of keys is at least this long on CUDA (one key tile), whatever its length
+PROGRAMS_PER_SM = 2
 
 
 @torch.library.custom_op("lightning_llmopt::paged_attention_decode", mutates_args=())
@@ -46,7 +47,7 @@ def paged_attention_decode(
     softmax_scale: float,
     window: int,
     num_splits: int,
-    tokens_per_split: int,
+    min_tokens_per_split: int,
 ) -> Tensor:
     """The Triton decode kernel; ``window <= 0`` means no window."""
     from lightning_llmopt.kernels.paged_attention_kernel import paged_decode
@@ -62,7 +63,7 @@ def paged_attention_decode(
         k_scale,
         v_scale,
         num_splits,
-        tokens_per_split,
+        min_tokens_per_split,
     )
 
 
@@ -78,7 +79,7 @@ def _(
     softmax_scale: float,
     window: int,
     num_splits: int,
-    tokens_per_split: int,
+    min_tokens_per_split: int,
 ) -> Tensor:
     return torch.empty_like(q)
 
@@ -108,30 +109,25 @@ def _num_sms(index: int) -> int:
 
 def choose_splits(
     batch: int, kv_heads: int, max_span: int, device: torch.device, num_splits: int | None = None
-) -> tuple[int, int]:
-    """``(num_splits, tokens_per_split)`` for a launch of ``batch * kv_heads`` groups over at most ``max_span`` keys.
+) -> int:
+    """The number of KV splits for a launch of ``batch * kv_heads`` groups over at most ``max_span`` keys a row.
 
-    Without an explicit ``num_splits``: enough splits for about :data:`PROGRAMS_PER_SM` programs per multiprocessor
-    (memory-level parallelism: a decode program streams its keys through a short pipeline, so several must be in
-    flight per multiprocessor to cover the memory latency), each covering at least :data:`MIN_TOKENS_PER_SPLIT`
-    keys, with ``tokens_per_split`` rounded up to a multiple of 128 (whole key tiles). One split on CPU.
+    Without an explicit ``num_splits``: about :data:`PROGRAMS_PER_SM` programs per multiprocessor (``round(2 * SMs /
+    groups)``, at least 1), and no more than ``ceil(max_span / MIN_TOKENS_PER_SPLIT)``. One split on CPU. The kernel
+    then cuts each row's own visible keys into that many pieces. Measured on an H100 (``benchmarks/sweep_paged.py``,
+    256 MB to 1 GB of bf16 KV, 2026-11-25): 2 programs per SM was best or within 1.2% of the best split count at
+    every shape, where the earlier 4 (rounded up) lost up to 10% to the tail of a second wave.
     """
     span = max(int(max_span), 1)
     if num_splits is None:
         if device.type != "cuda":
-            num_splits = 1
-        else:
-            sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-            target = PROGRAMS_PER_SM * sms
-            num_splits = max(
-                1, min(math.ceil(target / max(batch * kv_heads, 1)), math.ceil(span / MIN_TOKENS_PER_SPLIT))
-            )
+            return 1
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        num_splits = max(1, min(round(PROGRAMS_PER_SM * sms / max(batch * kv_heads, 1)),
+                                math.ceil(span / MIN_TOKENS_PER_SPLIT)))
     if num_splits < 1:
         raise ValueError(f"num_splits ({num_splits}) must be >= 1")
-    per = math.ceil(span / num_splits)
-    if device.type == "cuda":
-        per = 128 * math.ceil(per / 128)
-    return math.ceil(span / per), per
+    return min(num_splits, span)
 
 
 def _validate(
@@ -221,7 +217,7 @@ def paged_attention(
         )
     bound = max_context if max_context is not None else block_tables.shape[1] * k_cache.shape[2]
     span = min(bound, window) if window is not None else bound
-    splits, per = choose_splits(q.shape[0], k_cache.shape[1], span, q.device, num_splits)
+    splits = choose_splits(q.shape[0], k_cache.shape[1], span, q.device, num_splits)
     if q.stride(-1) != 1:
         q = q.contiguous()
     scales: tuple[Tensor | None, Tensor | None] = (None, None)
@@ -239,5 +235,5 @@ def paged_attention(
         float(scale),
         window if window is not None else 0,
         splits,
-        per,
+        MIN_PIECE if q.device.type == "cuda" else 1,
     )

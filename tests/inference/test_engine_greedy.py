@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from lightning_llmopt.inference import LLMEngine, SamplingParams
+from lightning_llmopt.inference import EngineConfig, LLMEngine, SamplingParams
 from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
 
 LENGTHS = [1, 2, 7, 16, 17, 33, 50]
@@ -90,6 +90,11 @@ def test_admission_batch_groups_prefills(model_factory, reference, prompts_facto
     assert prefill_steps[3] < prefill_steps[1], prefill_steps
     with pytest.raises(ValueError, match=r"admission_batch \(5\) must be <= max_num_seqs \(4\)"):
         LLMEngine(model, block_size=4, num_blocks=16, max_num_seqs=4, admission_batch=5)
+    # the default follows max_num_seqs (min(8, max_num_seqs)), also when an override changes it
+    assert EngineConfig().admission == 8 and EngineConfig(max_num_seqs=3).admission == 3
+    assert EngineConfig(admission_batch=2).admission == 2
+    engine = LLMEngine(model, config=EngineConfig(max_num_seqs=64), block_size=4, num_blocks=16, max_num_seqs=2)
+    assert engine.scheduler.admission_batch == 2
 
 
 def test_preemption_with_prefix_cache(model_factory, reference, prompts_factory):

@@ -93,6 +93,7 @@ def _check(out, q, ks, vs, window):
         ([113, 40], 8, 1, 80, 16, None, 3),  # MQA, head dim 80 (padded lanes), split-KV
         ([33, 5, 70], 3, 3, 32, 8, 19, 2),  # MHA (group 1 padded to 16 rows), window, small pages
         ([0, 29], 6, 2, 16, 16, None, 2),  # a padding row (ctx 0) next to a real one
+        ([3, 200, 64], 4, 2, 32, 16, 150, 8),  # each row cut into its own pieces: 16 keys for the short row
     ],
 )
 def test_kernel_matches_reference(lens, H, H_kv, D, page, window, splits):
@@ -145,9 +146,11 @@ def test_validation_and_splits():
         paged_attention(q, kc, kc, torch.zeros(3, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="window"):
         paged_attention(q, kc, kc, torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), window=0)
-    assert choose_splits(4, 8, 1000, torch.device("cpu")) == (1, 1000)
-    splits, per = choose_splits(1, 8, 1000, torch.device("cpu"), num_splits=3)
-    assert splits * per >= 1000 and (splits - 1) * per < 1000
+    assert choose_splits(4, 8, 1000, torch.device("cpu")) == 1
+    assert choose_splits(1, 8, 1000, torch.device("cpu"), num_splits=3) == 3
+    assert choose_splits(1, 8, 2, torch.device("cpu"), num_splits=3) == 2  # no more splits than keys
+    with pytest.raises(ValueError, match="num_splits"):
+        choose_splits(1, 8, 100, torch.device("cpu"), num_splits=0)
 
 
 @pytest.mark.gpu
