@@ -2,8 +2,9 @@
 
 Layers (CONVENTIONS.md, "three layers per kernel"):
 
-- the Triton kernel and launcher, :mod:`~lightning_llmopt.kernels.quant_matmul_fwd` (imported on first use, so
-  importing this module imports no Triton);
+- the Triton kernels and launcher, :mod:`~lightning_llmopt.kernels.quant_matmul_fwd` (the tensor-core kernel and
+  the launcher; the batch-1 kernels in ``quant_matmul_gemv``, shared pieces in ``quant_matmul_tiles``; imported on
+  first use, so importing this module imports no Triton);
 - the custom op ``lightning_llmopt::quant_matmul`` with a fake (meta) implementation, so ``torch.compile`` traces
   through it;
 - :class:`QuantMatmulFunction` (``torch.autograd.Function``): the input gradient ``dy @ dequant(W)`` (weights are
