@@ -106,6 +106,19 @@ def test_kernel_matches_reference(lens, H, H_kv, D, page, window, splits):
 
 
 @needs_kernel
+def test_custom_op_and_direct_launch_agree():
+    """Eager calls skip the custom op (the launcher directly); the op itself, used under ``torch.compile``, passes
+    ``torch.library.opcheck`` (schema, fake implementation) and gives the same output."""
+    q, kc, vc, tables, ctx, ks, vs = _paged([13, 40], 4, 2, 32, 16, torch.float32, seed=4)
+    out = paged_attention(q, kc, vc, tables, ctx, num_splits=2, backend="triton")
+    args = (q, kc, vc, tables, ctx, None, None, 1.0 / math.sqrt(32), 0, 2, 1)
+    torch.testing.assert_close(torch.ops.lightning_llmopt.paged_attention_decode(*args), out, rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.lightning_llmopt.paged_attention_decode, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    _check(out, q, ks, vs, None)
+
+
+@needs_kernel
 def test_kernel_fp16():
     q, kc, vc, tables, ctx, ks, vs = _paged([50, 9], 4, 2, 64, 16, torch.float16, seed=3)
     out = paged_attention(q, kc, vc, tables, ctx, num_splits=2, backend="triton")
