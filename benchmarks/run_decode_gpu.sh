@@ -26,7 +26,7 @@ for f in "${families[@]}"; do
     tests) step 240 python3 -m pytest -q -p no:cacheprovider tests/inference/test_gpu.py tests/kernels/test_paged_attention.py ;;
     kernel) step 90 python3 benchmarks/bench_decode.py --family kernel ;;
     decode) step 240 python3 benchmarks/bench_decode.py --family decode ;;
-    serve) step 80 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
+    serve) step 150 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
     serve-queue) step 420 python3 benchmarks/bench_decode.py --family serve --requests 1024 --no-hf ;;
     hf-compile) step 200 python3 benchmarks/bench_decode.py --family decode --hf-compile --compile-budget 150 ;;
     *) echo "unknown family $f" | tee -a "$LOG"; status=1 ;;

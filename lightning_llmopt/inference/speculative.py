@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 METHODS = ("draft", "prompt_lookup", "self_quantized")
+SPIKE = 8.0  # a cost sample this many times the last of its size is a suspected one-time cost (autotuning, capture)
+SPIKE_REPEATS = 3  # ... until this many in a row: then it is a lasting change and is taken
 
 
 @dataclass
@@ -255,6 +257,8 @@ class AdaptiveDraftLength:
     _global: _SeqAcceptance = field(default_factory=_SeqAcceptance)
     _hopeless_idle: int = 0  # steps since the last probe while the cost rules speculation out
     _hopeless_gap: int = 0  # steps between such probes now (0: probe_every)
+    _last: dict[tuple[int, int], float] = field(default_factory=dict)  # (target 0 / draft 1, size): last sample
+    _spikes: dict[tuple[int, int], int] = field(default_factory=dict)  # the same key: outliers in a row
 
     # ---------------------------------------------------------------- estimates
     def alpha(self, seq_id: int) -> float:
@@ -278,8 +282,28 @@ class AdaptiveDraftLength:
         for sid in [s for s in self.seqs if s not in live]:
             del self.seqs[sid]
 
+    def _spike(self, which: int, size: int, value: float) -> bool:
+        """Whether a cost sample is to be skipped as a one-time cost (autotuning, a graph capture, a first
+        allocation): the first sample of its size, or more than :data:`SPIKE` times the last sample of that size
+        taken, until the :data:`SPIKE_REPEATS`-th such sample in a row (a lasting change is then taken). Samples are
+        compared with their own size only, never with an extrapolation. Measured: a first draft step that autotuned
+        took 6.4 s against 1.5 ms for a steady one at batch 32; folded into the estimates, it ruled drafting out for
+        the rest of the run."""
+        key = (which, size)
+        last = self._last.get(key)
+        if last is not None and value > SPIKE * last:
+            n = self._spikes.get(key, 0) + 1
+            if n < SPIKE_REPEATS:
+                self._spikes[key] = n
+                return True
+        self._spikes[key] = 0
+        self._last[key] = value
+        return last is None
+
     def observe_target(self, num_tokens: int, seconds: float) -> None:
-        """One target pass over ``num_tokens`` tokens took ``seconds``."""
+        """One target pass over ``num_tokens`` tokens took ``seconds`` (one-time costs skipped, :meth:`_spike`)."""
+        if self._spike(0, num_tokens, seconds):
+            return
         f = self._fit
         for i, v in enumerate((1.0, num_tokens, num_tokens * num_tokens, seconds, num_tokens * seconds)):
             f[i] = 0.98 * f[i] + v
@@ -289,6 +313,8 @@ class AdaptiveDraftLength:
         if draft_tokens <= 0:
             return
         per_token = seconds / (draft_tokens / max(num_seqs, 1))  # one draft token of every sequence
+        if self._spike(1, num_seqs, per_token):
+            return
         plain = self.step_cost(num_seqs)
         if plain is None or plain <= 0:
             return

@@ -187,6 +187,27 @@ def test_adaptive_length_follows_acceptance_and_cost():
     assert fixed.choose(9, batch=64) == 3
 
 
+def test_cost_model_skips_one_time_costs():
+    """A first pass of a size that autotunes or captures (thousands of steady steps) does not enter the cost
+    model; a lasting change does, after SPIKE_REPEATS samples in a row."""
+    from lightning_llmopt.inference.speculative import SPIKE_REPEATS
+
+    ctl = AdaptiveDraftLength(max_k=4)
+    ctl.observe_target(32, 6.4)  # first pass of 32 tokens: autotuning
+    for _ in range(5):
+        ctl.observe_target(32, 1.5e-3)
+    assert ctl.step_cost(32) == pytest.approx(1.5e-3)
+    ctl.observe_draft(32, 32, 5.0)  # first draft step: capture
+    for _ in range(3):
+        ctl.observe_draft(32, 32, 3e-4)
+    assert ctl.token_cost(32) == pytest.approx(3e-4 / 1.5e-3)  # flat target cost: verification is free
+    ctl.observe_target(32, 1.0)  # one stray spike is skipped
+    assert ctl.step_cost(32) == pytest.approx(1.5e-3)
+    for _ in range(SPIKE_REPEATS):  # a lasting change is taken
+        ctl.observe_target(32, 3e-2)
+    assert ctl.step_cost(32) > 1e-2
+
+
 def test_batched_draft_distributions_match_row_by_row() -> None:
     """One scatter for an all-greedy batch, the per-row path otherwise: the same rows as ``draft_distribution``."""
     from lightning_llmopt.inference.drafters import draft_distribution, draft_distributions
