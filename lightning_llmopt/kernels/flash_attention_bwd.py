@@ -326,7 +326,7 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     consts = dict(HEAD_D=geo.head_dim, BLOCK_D=geo.block_d, IS_CAUSAL=causal, HAS_WINDOW=window is not None,
                   IS_VARLEN=varlen, IEEE=q.dtype == torch.float32)
     common = (geo.seq_q, geo.seq_k)
-    tail = (scale * LOG2E, scale, window if window is not None else 0, *geo.tune_args)
+    tail = (scale * LOG2E, scale, window if window is not None else 0, *geo.tuning(window))
     kv_heads = geo.num_heads // geo.group
     dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu, *geo.strides(q), *geo.strides(k), *geo.strides(v),
                  *geo.strides(do), *geo.strides(dk), *geo.strides(dv), *geo.lse_strides(lse), *common, kv_heads,
@@ -348,7 +348,7 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             blocks, warps, stages = configs[name]
             kernel[grid(blocks)](*args, **blocks, num_warps=warps, num_stages=stages, **consts)
         else:
-            _CHOSEN[name].launch(tune_key(geo, consts, q.dtype), grid, args, consts)
+            _CHOSEN[name].launch(tune_key(geo, consts, q.dtype, window), grid, args, consts)
     return dq, dk, dv
 
 

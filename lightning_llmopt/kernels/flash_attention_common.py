@@ -60,6 +60,13 @@ class Geometry:
         """
         return tune_bucket(self.seq_q), tune_bucket(self.seq_k)
 
+    def tuning(self, window: int | None) -> tuple[int, int]:
+        """:attr:`tune_args` of a call with a sliding ``window``: the key length capped at the window's bucket. A
+        windowed call visits about ``window`` keys per query block whatever the sequence length, so it tunes as a
+        call over that many keys (before, every window of a length bucket shared the first window's choice)."""
+        tq, tk = self.tune_args
+        return (tq, min(tk, tune_bucket(window))) if window is not None else (tq, tk)
+
     def strides(self, t: Tensor) -> tuple[int, int, int]:
         """(batch, token, head) strides in elements; the head dim must be contiguous."""
         if self.cu_seqlens is not None:
@@ -186,9 +193,10 @@ class ChosenConfigs:
             tuner.fn[grid(config.kwargs)](*args, **consts, **config.all_kwargs())
 
 
-def tune_key(geo: Geometry, consts: dict[str, Any], dtype: torch.dtype) -> tuple:
-    """The autotuning key of a call: the length buckets, the constexpr flags of :data:`TUNE_KEY` and the dtype."""
-    return (*geo.tune_args, *(consts[name] for name in TUNE_KEY[2:]), dtype)
+def tune_key(geo: Geometry, consts: dict[str, Any], dtype: torch.dtype, window: int | None = None) -> tuple:
+    """The autotuning key of a call: the length buckets (:meth:`Geometry.tuning`), the constexpr flags of
+    :data:`TUNE_KEY` and the dtype."""
+    return (*geo.tuning(window), *(consts[name] for name in TUNE_KEY[2:]), dtype)
 
 
 def device_is_cuda(t: Tensor) -> bool:

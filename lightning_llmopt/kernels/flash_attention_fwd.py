@@ -216,14 +216,15 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scal
     if config is not None:
         blocks, warps, stages = config
         grid_fixed = (triton.cdiv(geo.max_q, blocks["BLOCK_M"]), geo.batch * geo.num_heads)
-        _flash_fwd_kernel[grid_fixed](*args, qk_scale, win, *geo.tune_args, **blocks, num_warps=warps,
+        _flash_fwd_kernel[grid_fixed](*args, qk_scale, win, *geo.tuning(window), **blocks, num_warps=warps,
                                       num_stages=stages, **consts)
     else:
 
         def grid(meta):  # type: ignore[no-untyped-def]
             return (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.batch * geo.num_heads)
 
-        _CHOSEN.launch(tune_key(geo, consts, q.dtype), grid, (*args, qk_scale, win, *geo.tune_args), consts)
+        _CHOSEN.launch(tune_key(geo, consts, q.dtype, window), grid, (*args, qk_scale, win, *geo.tuning(window)),
+                       consts)
     return out, lse
 
 

@@ -15,6 +15,8 @@ def test_tune_bucket_rounds_up_to_powers_of_two_from_16() -> None:
 def test_geometry_tune_args_bucket_both_lengths() -> None:
     geo = Geometry(batch=3, seq_q=37, seq_k=1000, num_heads=4, group=1, head_dim=64, block_d=64)
     assert geo.tune_args == (64, 1024)
+    # a sliding window caps the key length's bucket: the call visits about `window` keys per query block
+    assert geo.tuning(None) == (64, 1024) and geo.tuning(100) == (64, 128) and geo.tuning(5000) == (64, 1024)
 
 
 def test_autotuners_key_on_buckets_not_exact_lengths() -> None:
@@ -93,3 +95,5 @@ def test_chosen_configs_search_once_then_launch_the_choice_directly() -> None:
     assert calls[1][3] == {**consts, "BLOCK_M": 128, "num_warps": 8, "num_stages": 3}
     chosen.launch(tune_key(geo, {**consts, "IS_CAUSAL": False}, torch.bfloat16), grid, ("a", 1), consts)
     assert calls[-1][0] == "tuned"  # another key searches again
+    win = {**consts, "HAS_WINDOW": True}
+    assert tune_key(geo, win, torch.bfloat16, 256) != tune_key(geo, win, torch.bfloat16, 64)  # one per window bucket
