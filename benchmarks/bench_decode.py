@@ -536,7 +536,7 @@ def _serve_hf(hf: Any, reqs: list, batch: int) -> dict[str, Any]:
     return {"variant": "hf-static-batching", "wall_s": wall, "throughput_tok_s": sum(m for _, m in reqs) / wall}
 
 
-def family_serve(smoke: bool, requests: int, with_hf: bool) -> list[dict]:
+def family_serve(smoke: bool, requests: int, with_hf: bool, admits: tuple[int, ...] = (16,)) -> list[dict]:
     """Records ``decode-serve-<outputs>`` (128 requests) or ``decode-serve-<outputs>-q<N>`` (a queue of N)."""
     preset = "tiny" if smoke else "llama2-7b"
     hf, model = _models(preset, smoke)
@@ -547,9 +547,10 @@ def family_serve(smoke: bool, requests: int, with_hf: bool) -> list[dict]:
     for out in outs:
         reqs = _workload(8 if smoke else requests, vocab, prompt_range, out, seed=1)
         num_blocks = 64 * math.ceil((prompt_range[1] + int(out.split("-")[-1])) / 16) + 1
-        # the default admission batch is min(8, max_num_seqs) = 8; 16 groups the prefills of twice as many requests
+        # the default admission batch is min(8, max_num_seqs) = 8; `admits` adds explicit ones (--admit)
         results = [_serve_ours(model, reqs, "continuous", num_blocks)]
-        results.append(_serve_ours(model, reqs, "continuous", num_blocks, admission_batch=2 if smoke else 16))
+        for a in (2,) if smoke else admits:
+            results.append(_serve_ours(model, reqs, "continuous", num_blocks, admission_batch=a))
         peers = [_serve_ours(model, reqs, "static", num_blocks)]
         if with_hf and out == outs[0]:
             peers.append(_serve_hf(hf, reqs, 64))
@@ -591,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-budget", type=int, default=150, help="seconds allowed per transformers peer")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--no-hf", action="store_true", help="serve: skip the transformers static-batching peer")
+    parser.add_argument("--admit", default="16", help="serve: explicit admission batches beside the default (8), "
+                        "comma-separated; '' for none")
     parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
@@ -601,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.family == "decode":
         recs = family_decode(args.smoke, args.hf_compile, args.compile_budget)
     else:
-        recs = family_serve(args.smoke, args.requests, not args.no_hf)
+        admits = tuple(int(a) for a in args.admit.split(",") if a.strip())
+        recs = family_serve(args.smoke, args.requests, not args.no_hf, admits)
     for rec in recs:
         path = records.write_record(rec, results_dir)
         print(
