@@ -9,11 +9,13 @@ step, where one layer's weights follow another's, and the time is GPU time free 
 dominates eager timing of microsecond kernels (and would otherwise decide the ranking). (``_gpu_ms``, an L2 flush
 before each launch with the flushes' time subtracted, is kept for diagnostics; it ranks split-K candidates too
 favourably against that back-to-back use.) Inside a CUDA-graph capture nothing can be timed, so an untuned shape
-takes its first candidate. Under the Triton interpreter fixed small tiles are used.
+takes its first candidate, as every shape does with ``LLMOPT_QUANT_TUNE=0`` (no search: quick start-up and tests,
+slower kernels). Under the Triton interpreter fixed small tiles are used.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -219,7 +221,7 @@ def choose_config(
     words_asm = x.dtype != torch.float32
     candidates = candidate_configs(m, k, group, asm, words_asm, x_split=bits == 4)
     fallback = next(c for c in candidates if c.kind != "words")  # takes every shape
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_current_stream_capturing() or os.environ.get("LLMOPT_QUANT_TUNE", "1") == "0":
         return fallback
     ref = _reference(x, w, scales, zeros, bits)
     copies = _weight_copies(w, scales, zeros)

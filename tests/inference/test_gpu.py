@@ -93,10 +93,13 @@ def test_greedy_runs_of_captured_steps_match_full_recompute():
     assert engine.blocks.allocator.num_free == engine.blocks.allocator.capacity
 
 
-def test_quantized_model_batch1_through_fused_decode():
+def test_quantized_model_batch1_through_fused_decode(monkeypatch):
     """A quantized model on the fused CUDA decode path: QuantizedLinear layers have no dense ``weight`` and must run
-    their own kernels at batch 1 (this crashed once with AttributeError in the GEMV chooser)."""
+    their own kernels at batch 1 (this crashed once with AttributeError in the GEMV chooser). Without the kernels'
+    configuration search (it took minutes here: every length bucket of the full-recompute reference, every shape)."""
     from lightning_llmopt.quantization import QuantConfig, quantize_model
+
+    monkeypatch.setenv("LLMOPT_QUANT_TUNE", "0")
 
     model = _trained_model()
     quantize_model(model, QuantConfig(bits=8, group_size=None))
