@@ -483,7 +483,8 @@ WARM_REQUESTS = 128  # untimed pass before each timed serving run: the whole wor
 
 
 def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int,
-                admission_batch: int | None = None) -> dict[str, Any]:
+                admission_batch: int | None = None, mixed_steps: str | None = None) -> dict[str, Any]:
+    extra = {"mixed_steps": mixed_steps} if mixed_steps is not None else {}
     engine = LLMEngine(
         model,
         num_blocks=num_blocks,
@@ -492,6 +493,7 @@ def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int,
         policy=policy,
         enable_prefix_caching=False,
         admission_batch=admission_batch,
+        **extra,
     )
     # warm-up: decode batches shrinking from 64 to 1 (every graph size), then the whole workload once, so that
     # compilation, autotuning and first allocations of every step shape stay out of the timed run (with only the
@@ -508,7 +510,8 @@ def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int,
     engine = None
     _free()
     return {
-        "variant": f"ours-{policy}" + (f"-admit{admission_batch}" if admission_batch is not None else ""),
+        "variant": f"ours-{policy}" + (f"-admit{admission_batch}" if admission_batch is not None else "")
+        + (f"-{mixed_steps}" if mixed_steps is not None else ""),
         "wall_s": wall,
         "throughput_tok_s": useful / wall,
         "ttft_mean_s": s["ttft_mean_s"],
@@ -551,6 +554,8 @@ def family_serve(smoke: bool, requests: int, with_hf: bool, admits: tuple[int, .
         results = [_serve_ours(model, reqs, "continuous", num_blocks)]
         for a in (2,) if smoke else admits:
             results.append(_serve_ours(model, reqs, "continuous", num_blocks, admission_batch=a))
+        # mixed steps as two passes (decodes from the graph, prefill eagerly), the default until 2026-11-25
+        results.append(_serve_ours(model, reqs, "continuous", num_blocks, mixed_steps="split"))
         peers = [_serve_ours(model, reqs, "static", num_blocks)]
         if with_hf and out == outs[0]:
             peers.append(_serve_hf(hf, reqs, 64))

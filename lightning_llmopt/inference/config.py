@@ -10,6 +10,7 @@ __all__ = ["EngineConfig"]
 
 KV_DTYPES = ("auto", "int8")
 BACKENDS = ("auto", "triton", "reference")
+MIXED_STEPS = ("merged", "split")
 
 
 @dataclass
@@ -44,13 +45,17 @@ class EngineConfig:
         seed: seeds the engine's generator (requests without their own seed draw from it).
         speculative: a :class:`~lightning_llmopt.inference.speculative.SpeculativeConfig` to decode speculatively
             (draft model, prompt lookup or quantized self-drafting), or ``None``.
-        decode_steps: when every running sequence decodes greedily, no request waits for admission and the step
-            replays a CUDA graph, run up to this many decode steps with the tokens fed back on the device and read
-            back once (:mod:`~lightning_llmopt.inference.multi_step`): the host's per-step work is paid once per run.
-            Output is unchanged; a stop token inside a run wastes the rest of it, and streamed tokens arrive a run at
-            a time. ``1``: one step per round trip. Default 8: at batch 1 (llama2-7b shape, H100, five runs) it ran
+        decode_steps: when every running sequence decodes greedily, no waiting request can be admitted before one
+            of them ends (none waits, or too few slots are free) and the step replays a CUDA graph, run up to this
+            many decode steps with the tokens fed back on the device and read back once
+            (:mod:`~lightning_llmopt.inference.multi_step`): the host's per-step work is paid once per run. Output
+            is unchanged; a stop token inside a run wastes the rest of it, and streamed tokens arrive a run at a
+            time. ``1``: one step per round trip. Default 8: at batch 1 (llama2-7b shape, H100, five runs) it ran
             78.4-87.1% of the roofline against 75.2-83.0% for one step, ahead in four runs of five; a slow host gains
             most.
+        mixed_steps: how a step that mixes decodes with prefill chunks runs: ``"merged"``, one eager pass over all
+            its tokens (the weights are read once); ``"split"``, the decodes from the CUDA graph and the prefill
+            chunks in an eager pass of their own (the decodes pay no launch cost, the weights are read twice).
     """
 
     block_size: int = 16
@@ -72,6 +77,7 @@ class EngineConfig:
     seed: int = 0
     speculative: SpeculativeConfig | None = None
     decode_steps: int = 8
+    mixed_steps: str = "merged"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "admission_batch", "decode_steps"):
@@ -94,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"kv_dtype ({self.kv_dtype!r}) must be one of {KV_DTYPES}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend ({self.attention_backend!r}) must be one of {BACKENDS}")
+        if self.mixed_steps not in MIXED_STEPS:
+            raise ValueError(f"mixed_steps ({self.mixed_steps!r}) must be one of {MIXED_STEPS}")
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy ({self.policy!r}) must be 'continuous' or 'static'")
         sizes = tuple(sorted(set(self.graph_batch_sizes)))

@@ -43,15 +43,20 @@ def graph_sizes(batch_sizes: tuple[int, ...], max_num_seqs: int, spec_tokens: in
     return tuple(sizes)
 
 
-def step_logits(graphs: DecodeGraphs | None, runner: ModelRunner, work: list[Work]) -> tuple[list[Work], Tensor]:
+def step_logits(graphs: DecodeGraphs | None, runner: ModelRunner, work: list[Work],
+                split: bool = False) -> tuple[list[Work], Tensor]:
     """``(work, logits)``: a step's logits, one row per sampled token, in the order of the returned work.
 
-    Without graphs (or when none serves any of the work) the runner runs the step eagerly. With graphs, a step that
-    mixes decodes with prefill chunks (continuous batching admits new requests while others decode) runs its
-    decodes and verifies from a graph and only the prefill chunks eagerly, so the rows of the running batch never
-    pay the eager launch cost; the returned order is then graph work first."""
+    Without graphs (or when none serves any of the work) the runner runs the step eagerly. A step that mixes decodes
+    with prefill chunks (continuous batching admits new requests while others decode) runs in one eager pass, its
+    decodes beside the chunks (one read of the weights); with ``split`` it runs its decodes and verifies from a
+    graph and only the prefill chunks eagerly (two reads of the weights, the decodes' without launch cost; the
+    returned order is then graph work first)."""
     if graphs is not None and graphs.accepts(work):
         return work, graphs.run(work)
+    if not split:
+        work = ModelRunner.order(work)
+        return work, runner.forward(runner.prepare(work))
     fast: list[Work] = []
     slow: list[Work] = []
     rows = 0

@@ -251,7 +251,7 @@ class LLMEngine(EngineOutputs):
                 self.stats.busy_s += now() - start
                 return events
         t0 = now()
-        work, logits = step_logits(self.graphs, self.runner, work)
+        work, logits = step_logits(self.graphs, self.runner, work, self.config.mixed_steps == "split")
         if self.spec is not None:
             events = self._speculative_sample(work, logits, items, sched)
             if decode_only:  # sampling read the tokens back, so the step's device work has finished

@@ -39,7 +39,8 @@ class LinearChooser:
     def __call__(self, x: Tensor, lin: Any) -> Tensor:
         # only plain dense linears have a GEMV alternative; quantized layers run their own kernels
         if x.shape[0] != 1 or not self._on_device(x) or not isinstance(lin, torch.nn.Linear):
-            return lin(x)
+            # a plain linear skips the module call (host time: an eager prefill pass makes 7 products a layer)
+            return torch.nn.functional.linear(x, lin.weight, lin.bias) if _plain(lin) else lin(x)
         key = (tuple(lin.weight.shape), lin.weight.dtype)
         return self._choose(key, lambda: gemv(x, lin.weight, lin.bias), lambda: lin(x))
 

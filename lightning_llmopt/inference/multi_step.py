@@ -4,7 +4,11 @@ A decode step of a small batch leaves the GPU idle while the host schedules the 
 token back: about 0.2-0.3 ms a token for the llama2-7b shape at batch 1 on an H100 (a 5.45 ms captured step, 177.8
 tokens/s where the step alone allows 183). When every running sequence decodes greedily and nothing waits for
 admission, the next ``k`` steps need no host decision but the stop checks: positions, KV slots and context lengths
-are known in advance, and each step's input token is the previous step's ``argmax``. :func:`greedy_steps` then
+are known in advance, and each step's input token is the previous step's ``argmax``. Requests waiting for a slot do
+not stop a run: a run never passes the first running sequence's ``max_tokens``, and while fewer slots are free than
+continuous batching admits at once (``admission_batch``), or static batching still runs its batch, nothing can be
+admitted before that sequence ends, so the run ends exactly when the one-step path would admit (a stop token
+inside a run delays it by the rest of the run). :func:`greedy_steps` then
 
 1. gives every sequence blocks for ``k`` more tokens (or gives up, changing nothing, if the pool is short);
 2. uploads the rows of all ``k`` steps at once (:meth:`DecodeGraphs.stage_chain`, as a draft model's chain does);
@@ -37,11 +41,11 @@ __all__ = ["greedy_steps", "steps_for"]
 
 def steps_for(engine: LLMEngine, work: list[Work]) -> int:
     """How many greedy steps ``work`` (a decode-only step) can run in one round trip; 1 when it must take the
-    ordinary path: no graphs, speculation, requests waiting for admission, a sampled (non-greedy) or parallel-sampled
-    sequence, or fewer than two tokens left to any sequence."""
+    ordinary path: no graphs, speculation, a waiting request that could be admitted now, a sampled (non-greedy) or
+    parallel-sampled sequence, or fewer than two tokens left to any sequence."""
     k = engine.config.decode_steps
     graphs = engine.graphs
-    if k < 2 or graphs is None or engine.spec is not None or engine.scheduler.waiting:
+    if k < 2 or graphs is None or engine.spec is not None or _admissible(engine):
         return 1
     if not graphs.accepts(work):
         return 1
@@ -51,6 +55,18 @@ def steps_for(engine: LLMEngine, work: list[Work]) -> int:
             return 1
         k = min(k, p.max_tokens - seq.num_output, engine.max_model_len - len(seq.tokens))
     return k if k >= 2 else 1
+
+
+def _admissible(engine: LLMEngine) -> bool:
+    """Whether a waiting request may be admitted before a running sequence ends: enough slots are free for the
+    scheduler to admit (it did not, for lack of blocks or budget, and may next step), or nothing runs."""
+    sched = engine.scheduler
+    if not sched.waiting:
+        return False
+    if sched.policy == "static" or not sched.running:
+        return not sched.running
+    free = sched.max_num_seqs - len(sched.running)
+    return free >= min(sched.admission_batch, len(sched.waiting))
 
 
 def greedy_steps(engine: LLMEngine, work: list[Work], k: int) -> list[StreamEvent] | None:

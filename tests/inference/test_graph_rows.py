@@ -104,11 +104,13 @@ def test_decode_rows_and_sampled_rows():
     assert sampled_rows(catch_up) == [2, 3]
 
 
-def test_mixed_steps_split_between_graph_and_eager(model_factory, reference, prompts_factory, monkeypatch):
+@pytest.mark.parametrize("mode", ["split", "merged"])
+def test_mixed_steps_split_between_graph_and_eager(model_factory, reference, prompts_factory, monkeypatch, mode):
     """Continuous batching: a step with decodes and a long prefill chunk runs the decodes through the graph layout
-    and only the chunk eagerly; greedy output still equals full recompute."""
+    and only the chunk eagerly (``mixed_steps="split"``), or everything in one eager pass (``"merged"``); greedy
+    output still equals full recompute."""
     model = model_factory(seed=4)
-    engine = _rows_engine(model, max_num_seqs=4)
+    engine = _rows_engine(model, max_num_seqs=4, mixed_steps=mode)
     graph_steps, eager_steps = set(), set()
     run, forward = engine.graphs.run, engine.runner.forward
     inside = []  # the CPU "graph" runs the runner eagerly too: those calls are not the prefill path
@@ -133,7 +135,10 @@ def test_mixed_steps_split_between_graph_and_eager(model_factory, reference, pro
     outs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
     for p, m, o in zip(prompts, max_tokens, outs, strict=True):
         assert o.token_ids == reference(model, p, m)
-    assert graph_steps & eager_steps, "no step was split between the graph and the eager prefill path"
+    if mode == "split":
+        assert graph_steps & eager_steps, "no step was split between the graph and the eager prefill path"
+    else:
+        assert graph_steps and eager_steps and not graph_steps & eager_steps, "a mixed step used the graph"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

@@ -75,7 +75,7 @@ def test_stop_token_inside_a_run(model_factory, reference, prompts_factory):
 
 
 def test_waiting_requests_and_streaming(model_factory, reference, prompts_factory):
-    """More requests than running slots (runs only while none waits); streamed events add up to the output."""
+    """More requests than running slots; streamed events add up to the output."""
     model = model_factory(seed=4)
     prompts = prompts_factory([4, 7, 5, 13, 2], 320, seed=6)
     engine = _engine(model, max_num_seqs=2)
@@ -86,6 +86,41 @@ def test_waiting_requests_and_streaming(model_factory, reference, prompts_factor
     assert outs == [reference(model, p, 16) for p in prompts]
     assert engine.graphs.chained > 0
     _all_back(engine)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("admission", [1, 2])
+def test_runs_while_requests_wait_keep_the_admission_steps(model_factory, reference, prompts_factory, policy,
+                                                           admission):
+    """Requests waiting for a slot do not stop runs, and every request is admitted at the same step (counted in
+    single decode steps) as with one step per round trip: a run ends when its first sequence does."""
+    model = model_factory(seed=6)
+    prompts = prompts_factory([4, 7, 5, 13, 2, 9, 3], 320, seed=9)
+    max_tokens = [9, 3, 14, 6, 11, 2, 8]
+    params = [SamplingParams(max_tokens=m) for m in max_tokens]
+    firsts = {}
+    for steps in (1, 5):
+        engine = _engine(model, max_num_seqs=3, decode_steps=steps, policy=policy, admission_batch=admission)
+        waiting_runs = []
+        replay = engine.graphs.replay_rows
+
+        def spy(meta, n, ids=None, engine=engine, replay=replay, waiting_runs=waiting_runs):
+            waiting_runs.append(bool(engine.scheduler.waiting) and ids is not None)
+            return replay(meta, n, ids)
+
+        engine.graphs.replay_rows = spy
+        first_step, outs = {}, {}
+        for event in engine.stream(prompts, params):
+            first_step.setdefault(event.request_id, engine.stats.steps)
+            outs.setdefault(event.request_id, []).extend(event.token_ids)
+        assert [outs[f"req-{i}"] for i in range(len(prompts))] == [
+            reference(model, p, m) for p, m in zip(prompts, max_tokens, strict=True)
+        ]
+        if steps > 1:
+            assert any(waiting_runs), "no run while requests waited"
+        firsts[steps] = first_step
+        _all_back(engine)
+    assert firsts[5] == firsts[1]
 
 
 def test_a_pool_too_small_for_a_run_falls_back(model_factory, reference, prompts_factory, monkeypatch):
