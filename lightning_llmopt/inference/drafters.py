@@ -224,7 +224,8 @@ class ModelDrafter:
         """One draft forward over every ``(row, seq)``'s uncomputed tokens: ``{row: logits (V,)}``."""
         work = [Work(ds, ds.num_computed, len(ds.tokens) - ds.num_computed) for _, ds in items]  # type: ignore[arg-type]
         by_id = {id(w): r for w, (r, _) in zip(work, items, strict=True)}
-        ordered, logits = step_logits(self.graphs, self.runner, work)  # one row per work: its last token
+        # a prompt's catch-up runs eagerly beside the others' graphed rows (as before mixed_steps; not measured merged)
+        ordered, logits = step_logits(self.graphs, self.runner, work, split=True)  # one row per work: its last token
         for w in ordered:
             w.seq.num_computed = w.start + w.num_tokens
         return {by_id[id(w)]: logits[i] for i, w in enumerate(ordered)}
