@@ -61,10 +61,10 @@ def _admissible(engine: LLMEngine) -> bool:
     """Whether a waiting request may be admitted before a running sequence ends: enough slots are free for the
     scheduler to admit (it did not, for lack of blocks or budget, and may next step), or nothing runs."""
     sched = engine.scheduler
-    if not sched.waiting:
+    if not sched.waiting or sched.policy == "static" and sched.running:
         return False
-    if sched.policy == "static" or not sched.running:
-        return not sched.running
+    if not sched.running:
+        return True
     free = sched.max_num_seqs - len(sched.running)
     return free >= min(sched.admission_batch, len(sched.waiting))
 
