@@ -61,7 +61,7 @@ def _admissible(engine: LLMEngine) -> bool:
     """Whether a waiting request may be admitted before a running sequence ends: enough slots are free for the
     scheduler to admit (it did not, for lack of blocks or budget, and may next step), or nothing runs."""
     sched = engine.scheduler
-    if not sched.waiting or sched.policy == "static" and sched.running:
+    if not sched.waiting or (sched.policy == "static" and sched.running):
         return False
     if not sched.running:
         return True
