@@ -15,8 +15,11 @@ Two kernels, chosen per shape by :mod:`~lightning_llmopt.kernels.quant_matmul_tu
   int32 words, ``BLOCK_N x BLOCK_W`` words per step (8 int4 or 4 int8 codes each); code ``j`` of every word
   becomes the fp32 ``OFFSET + q`` with one shift and one mask-or (``_word_code``) or, in fp16/bf16 on a GPU, with
   one ``prmt`` of inline PTX (``_word_nibbles_asm``, ``_word_bytes_asm``), is multiplied by the ``j``-th column of
-  ``x`` and summed; ``(OFFSET + z) * sum(x)`` is subtracted once per tile. Tiles may span quantization groups
-  (scales then load per word), so ``BLOCK_K`` can be larger than the group and each program streams long rows.
+  ``x`` and summed, in a chain that starts from ``-(OFFSET + z) * sum(x)``. Each thread holds whole words (one
+  per row of its rows) and loads the activations of its words as one ``(BLOCK_W, 8 or 4)`` row of contiguous
+  bytes, split into columns in registers, so no activation passes through shared memory. Tiles may span
+  quantization groups (scales then load per word), so ``BLOCK_K`` can be larger than the group and each program
+  streams long rows.
 
 Codes become floats with exact bit tricks rather than integer-to-float conversions (a quarter of the ALU rate on
 Hopper): ``0x4B000000 | q`` is the fp32 ``2**23 + q``, and subtracting ``2**23 + z`` leaves ``q - z`` exactly; in

@@ -94,14 +94,16 @@ def _word_code(w, J: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _word_nibbles_asm(w):
-    """The eight 4-bit codes of each int32 word as fp32 ``128 + q`` with inline PTX (GPU only): two mask-ands and
-    a shift split even and odd nibbles into bytes, then one ``prmt`` per code writes the byte under the exponent
-    byte ``0x43`` (fp32 ``0x43000000 | q << 16``): 11 integer instructions per 8 codes instead of 15."""
+    """The eight 4-bit codes of each int32 word as fp32 with inline PTX (GPU only): one mask-and keeps the low
+    nibbles, one the high ones in place; one ``prmt`` per code then writes a low nibble's byte under the exponent
+    byte ``0x43`` (fp32 ``0x43000000 | q << 16`` = ``128 + q``, even codes) and a high nibble's byte, ``16 q``,
+    under ``0x47`` (fp32 ``0x47000000 | 16 q << 8`` = ``32768 + 16 q``, odd codes: ``16 (2048 + q)``, so their
+    activations are scaled by 1/16): 10 integer instructions per 8 codes."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 lo, hi, m; mov.b32 m, 0x43000000; and.b32 lo, $8, 0x0F0F0F0F; shr.u32 hi, $8, 4; "
-        "and.b32 hi, hi, 0x0F0F0F0F; prmt.b32 $0, lo, m, 0x7044; prmt.b32 $1, hi, m, 0x7044; "
-        "prmt.b32 $2, lo, m, 0x7144; prmt.b32 $3, hi, m, 0x7144; prmt.b32 $4, lo, m, 0x7244; "
-        "prmt.b32 $5, hi, m, 0x7244; prmt.b32 $6, lo, m, 0x7344; prmt.b32 $7, hi, m, 0x7344; }",
+        "{ .reg .b32 lo, hi, m, n; mov.b32 m, 0x43000000; mov.b32 n, 0x47000000; and.b32 lo, $8, 0x0F0F0F0F; "
+        "and.b32 hi, $8, 0xF0F0F0F0; prmt.b32 $0, lo, m, 0x7044; prmt.b32 $1, hi, n, 0x7404; "
+        "prmt.b32 $2, lo, m, 0x7144; prmt.b32 $3, hi, n, 0x7414; prmt.b32 $4, lo, m, 0x7244; "
+        "prmt.b32 $5, hi, n, 0x7424; prmt.b32 $6, lo, m, 0x7344; prmt.b32 $7, hi, n, 0x7434; }",
         "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8, is_pure=True, pack=1,
     )  # fmt: skip
 
@@ -117,8 +119,33 @@ def _word_bytes_asm(w):
     )  # fmt: skip
 
 
-# fmt: off
 @triton.jit
+def _x_columns8(xt, BLOCK_W: tl.constexpr):
+    """The eight columns of ``xt`` ``(BLOCK_W, 8)`` (the activations of each word's codes, row ``w`` holding
+    ``x[8w : 8w + 8]``) as ``(BLOCK_W,)`` vectors, split in registers (a thread holds whole rows)."""
+    t = tl.reshape(xt, (BLOCK_W, 2, 2, 2))  # column j = 4 * i1 + 2 * i2 + i3; split takes the last index
+    a, b = tl.split(t)
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    x0, x4 = tl.split(a0)
+    x2, x6 = tl.split(a1)
+    x1, x5 = tl.split(b0)
+    x3, x7 = tl.split(b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _x_columns4(xt, BLOCK_W: tl.constexpr):
+    """The four columns of ``xt`` ``(BLOCK_W, 4)`` as ``(BLOCK_W,)`` vectors (see :func:`_x_columns8`)."""
+    t = tl.reshape(xt, (BLOCK_W, 2, 2))
+    a, b = tl.split(t)
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0, x1, x2, x3
+
+
+# fmt: off
+@triton.jit(do_not_specialize=["stride_wn"])
 def _qmv_words_kernel(
     X, W, S, Z, Y, P, C,
     N, K, K_SPLIT,
@@ -128,6 +155,12 @@ def _qmv_words_kernel(
     BLOCK_W: tl.constexpr,
 ):
     # fmt: on
+    # Layout: the word loads are left unvectorized (``stride_wn`` is not specialized, so no row is known to be
+    # 16-byte aligned), which gives each thread whole words, one per row of its rows; the activations are loaded
+    # as ``(BLOCK_W, CPW)`` rows of 8 or 16 contiguous bytes, which lands each word's activations in the thread
+    # that holds the word, and their columns are split in registers. (Vectorized word loads put two or four words
+    # in a thread, and every activation column then went through shared memory with a barrier: on an H100 that
+    # kernel was bound by its L1/shared-memory traffic at under half the memory bandwidth.)
     CPW: tl.constexpr = 32 // BITS  # codes per int32 word
     OFFSET: tl.constexpr = 128 if BITS == 4 else 32768 if ASM else 256
     pid_n = tl.program_id(0)
@@ -140,7 +173,8 @@ def _qmv_words_kernel(
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     words_end = k_end // CPW
-    zero = tl.full((BLOCK_N,), (1 << (BITS - 1)) + OFFSET, tl.float32)  # symmetric: OFFSET + 2**(bits-1)
+    ZERO_SYM: tl.constexpr = (1 << (BITS - 1)) + OFFSET
+    zero = tl.full((BLOCK_N,), ZERO_SYM, tl.float32)  # symmetric: OFFSET + 2**(bits-1)
     if GROUP == 0:
         if HAS_ZERO:
             zero = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.float32) + OFFSET
@@ -173,23 +207,42 @@ def _qmv_words_kernel(
             if HAS_ZERO:
                 zw = tl.load(Z + gw, mask=sw_mask, other=0).to(tl.float32) + OFFSET
             s = tl.load(S + gw, mask=sw_mask, other=0.0).to(tl.float32)
-        part = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
-        if ASM:
-            codes = _word_nibbles_asm(words) if BITS == 4 else _word_bytes_asm(words)
-            for j in tl.static_range(CPW):
-                xj = tl.load(X + kw * CPW + j, mask=w_mask, other=0.0).to(tl.float32)
-                x_sum += xj
-                part += codes[j] * xj[None, :]
-        for j in tl.static_range(0 if ASM else CPW):
-            xj = tl.load(X + kw * CPW + j, mask=w_mask, other=0.0).to(tl.float32)
-            if EXACT:
-                part += (_word_code(words, j, BITS) - zw) * xj[None, :]
+        xt = tl.load(X + kw[:, None] * CPW + tl.arange(0, CPW)[None, :], mask=w_mask[:, None], other=0.0)
+        if BITS == 4:
+            xs = _x_columns8(xt.to(tl.float32), BLOCK_W)
+            if ASM:
+                codes = _word_nibbles_asm(words)
             else:
-                x_sum += xj
-                part += _word_code(words, j, BITS) * xj[None, :]
-        if not EXACT:
-            part -= zw * x_sum[None, :]
+                codes = (_word_code(words, 0, 4), _word_code(words, 1, 4), _word_code(words, 2, 4),
+                         _word_code(words, 3, 4), _word_code(words, 4, 4), _word_code(words, 5, 4),
+                         _word_code(words, 6, 4), _word_code(words, 7, 4))
+        else:
+            xs = _x_columns4(xt.to(tl.float32), BLOCK_W)
+            if ASM:
+                codes = _word_bytes_asm(words)
+            else:
+                codes = (_word_code(words, 0, 8), _word_code(words, 1, 8), _word_code(words, 2, 8),
+                         _word_code(words, 3, 8))
+        if EXACT:
+            part = (codes[0] - zw) * xs[0][None, :]
+            for j in tl.static_range(1, CPW):
+                part += (codes[j] - zw) * xs[j][None, :]
+        else:
+            # part = sum_j (OFFSET_j + q_j) x_j - (OFFSET + z) sum_j x_j, the subtraction first: it starts the chain
+            x_sum = xs[0]
+            for j in tl.static_range(1, CPW):
+                x_sum += xs[j]
+            if BITS == 4 and ASM:  # odd codes are 16 (2048 + q): their activations / 16, 1920 more to subtract
+                x_fix = -1920.0 * (xs[1] + xs[3] + xs[5] + xs[7])
+                xs = (xs[0], xs[1] * 0.0625, xs[2], xs[3] * 0.0625, xs[4], xs[5] * 0.0625, xs[6], xs[7] * 0.0625)
+            else:
+                x_fix = tl.zeros((BLOCK_W,), dtype=tl.float32)
+            if HAS_ZERO:
+                part = x_fix[None, :] - zw * x_sum[None, :]
+            else:  # the symmetric zero: one start value per word, shared by the rows
+                part = tl.broadcast_to((x_fix - ZERO_SYM * x_sum)[None, :], (BLOCK_N, BLOCK_W))
+            for j in tl.static_range(CPW):
+                part += codes[j] * xs[j][None, :]
         if GROUP == 0:
             acc += part
         else:
