@@ -193,7 +193,14 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
             raise ValueError(f"the words kernel takes one row and whole int32 words of codes, got M={m}, K={k}")
         if cfg.asm and (x.dtype == torch.float32 or x.device.type != "cuda"):
             raise ValueError("the words kernel's inline-PTX path takes fp16/bf16 activations on a GPU")
+        if group and (group % cpw or (group % cfg.block_k and cfg.block_k % group)):
+            raise ValueError(f"the words kernel's tiles must start groups: group {group}, BLOCK_K {cfg.block_k}")
+        if n * (w.shape[1] // 4) >= 2**31:
+            raise ValueError("the words kernel addresses the weights with 32-bit offsets")
         words = w.view(torch.int32)
+        # unmasked loads where every tile is whole: 4 bits only (int8 ran 2-5% slower without the masks on an
+        # H100, int4 up to 12% faster, same-process comparison 2026-11-26)
+        even = bits == 4 and n % cfg.block_n == 0 and k % cfg.block_k == 0
         # fmt: off
         tiles = triton.cdiv(n, cfg.block_n)
         counters = _split_counters(x.device, tiles) if fixup else y
@@ -201,7 +208,7 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
             x, words, scales, z_arg, y, partials, counters, n, k, k_split, words.stride(0), scales.stride(0),
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, FIXUP=fixup,
             TILE_SCALE=group > 0 and group % cfg.block_k == 0, EXACT=x.dtype == torch.float32, ASM=cfg.asm,
-            PREFETCH=cfg.prefetch,
+            PREFETCH=cfg.prefetch, EVEN=even,
             BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // cpw,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

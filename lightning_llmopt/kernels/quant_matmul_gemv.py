@@ -151,8 +151,8 @@ def _qmv_words_kernel(
     N, K, K_SPLIT,
     stride_wn, stride_sn,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FIXUP: tl.constexpr,
-    TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     # fmt: on
     # Layout: the word loads are left unvectorized (``stride_wn`` is not specialized, so no row is known to be
@@ -163,13 +163,20 @@ def _qmv_words_kernel(
     # kernel was bound by its L1/shared-memory traffic at under half the memory bandwidth.)
     CPW: tl.constexpr = 32 // BITS  # codes per int32 word
     OFFSET: tl.constexpr = 128 if BITS == 4 else 32768 if ASM else 256
+    # Addresses: unsigned word indices (no sign extension) added to per-row pointers, group indices by a shift;
+    # ``EVEN`` (every row and every K tile whole) drops the masks.
+    GW: tl.constexpr = GROUP // CPW if GROUP > 0 else 1  # words per quantization group
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_W)
     n_mask = offs_n < N
     w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
-    s_rows = offs_n.to(tl.int64) * stride_sn
+    s_rows = offs_n * stride_sn
+    s_ptrs = S + s_rows[:, None]
+    z_ptrs = Z + s_rows[:, None]
+    col_g = (offs_w // GW).to(tl.uint32)  # a word's group within a tile that starts one
+    x_cols = tl.arange(0, CPW)[None, :].to(tl.uint32)
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     words_end = k_end // CPW
@@ -180,17 +187,20 @@ def _qmv_words_kernel(
             zero = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.float32) + OFFSET
     acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
     if PREFETCH:
-        kw = k_start // CPW + offs_w
+        kw = (k_start // CPW + offs_w).to(tl.uint32)
         words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < words_end)[None, :], other=0)
     for k0 in range(k_start, k_end, BLOCK_W * CPW):
-        kw = k0 // CPW + offs_w
+        kw = (k0 // CPW + offs_w).to(tl.uint32)
         w_mask = kw < words_end
+        tile_mask = n_mask[:, None] & w_mask[None, :]
         if PREFETCH:  # the next tile's words are in flight while this one is computed
             kw_next = kw + BLOCK_W
             words_next = tl.load(w_rows + kw_next[None, :], mask=n_mask[:, None] & (kw_next < words_end)[None, :],
                                  other=0)
+        elif EVEN:
+            words = tl.load(w_rows + kw[None, :])
         else:
-            words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0)
+            words = tl.load(w_rows + kw[None, :], mask=tile_mask, other=0)
         if GROUP == 0:
             zw = zero[:, None]
             s = 1.0
@@ -200,14 +210,22 @@ def _qmv_words_kernel(
                 zero = tl.load(Z + s_rows + g, mask=n_mask, other=0).to(tl.float32) + OFFSET
             zw = zero[:, None]
             s = tl.load(S + s_rows + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        else:  # the tile spans groups: a scale (and zero point) per word
-            gw = s_rows[:, None] + ((kw * CPW) // GROUP)[None, :]
-            sw_mask = n_mask[:, None] & w_mask[None, :]
+        else:  # the tile spans groups (it starts one: BLOCK_W is a multiple of GW): a scale (and zero) per word
             zw = zero[:, None]
-            if HAS_ZERO:
-                zw = tl.load(Z + gw, mask=sw_mask, other=0).to(tl.float32) + OFFSET
-            s = tl.load(S + gw, mask=sw_mask, other=0.0).to(tl.float32)
-        xt = tl.load(X + kw[:, None] * CPW + tl.arange(0, CPW)[None, :], mask=w_mask[:, None], other=0.0)
+            gw = (k0 // GROUP + col_g)[None, :]
+            if EVEN:
+                if HAS_ZERO:
+                    zw = tl.load(z_ptrs + gw).to(tl.float32) + OFFSET
+                s = tl.load(s_ptrs + gw).to(tl.float32)
+            else:
+                if HAS_ZERO:
+                    zw = tl.load(z_ptrs + gw, mask=tile_mask, other=0).to(tl.float32) + OFFSET
+                s = tl.load(s_ptrs + gw, mask=tile_mask, other=0.0).to(tl.float32)
+        x_ptrs = X + (kw[:, None] * CPW + x_cols)
+        if EVEN:
+            xt = tl.load(x_ptrs)
+        else:
+            xt = tl.load(x_ptrs, mask=w_mask[:, None], other=0.0)
         if BITS == 4:
             xs = _x_columns8(xt.to(tl.float32), BLOCK_W)
             if ASM:

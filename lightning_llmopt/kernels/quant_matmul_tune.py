@@ -45,10 +45,12 @@ _WORDS = [
     ("words", 1, 8, 512, 2, 2, 3, True),
     ("words", 1, 16, 512, 2, 4, 3, True),
     ("words", 1, 8, 512, 4, 2, 3, True),
-    ("words", 1, 4, 2048, 1, 4, 3, True),  # fewer rows a program: the best for some shapes after the 2026-11-26
-    ("words", 1, 8, 2048, 1, 8, 3, True),  # rewrite of the kernel's activation loads (.abold A/B on an H100)
+    ("words", 1, 4, 2048, 1, 4, 3, True),  # the best of some shapes after the 2026-11-26 rewrite of the kernel's
+    ("words", 1, 8, 2048, 1, 8, 3, True),  # activation loads and addressing (H100, same-process comparisons)
     ("words", 1, 4, 1024, 1, 4, 3, True),
     ("words", 1, 4, 512, 1, 2, 3, True),
+    ("words", 1, 16, 512, 2, 2, 3, True),
+    ("words", 1, 16, 256, 1, 2, 3, True),
 ]
 # tensor cores with the weights as the left operand (y^T = W x^T): BLOCK_N rows of W fill wgmma's M of 64; a ninth
 # field turns on the register double-buffering of the next K tile (benchmarks/sweep_quant_gemv.py --m 16)

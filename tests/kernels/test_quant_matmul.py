@@ -275,3 +275,26 @@ def test_kernel_variants(kind: str, center: bool, bits: int, group: int | None, 
             pt_err = (same.double() - ref).abs().max().item()
             floor = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1.0)
             assert err <= 2 * pt_err + floor, (dtype, split, err, pt_err)
+
+
+@pytest.mark.parametrize("bits, group, sym", [(4, 16, False), (4, 64, True), (8, None, False), (8, 32, True)])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_words_kernel_whole_tiles(bits: int, group: int | None, sym: bool, prefetch: bool) -> None:
+    """The word kernel's unmasked path (every row block and K tile whole: ``EVEN``), tiles spanning groups and
+    tiles inside one, split-K, against the float64 reference by the tolerance rule."""
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
+    from lightning_llmopt.quantization.packing import as_kernel_bytes
+
+    N, K = 32, 256
+    qw, scales, zeros = _weights(N, K, bits, group, sym, seed=bits + 7)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(1, K, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+        for block_k, split in ((64, 1), (32, 2), (128, 2)):
+            cfg = KernelConfig("words", 1, 16, block_k, split, 4, 1, True, prefetch=prefetch)
+            out = launch(x, as_kernel_bytes(qw, bits, K), scales, zeros, bits, group or 0, cfg)
+            ref = quant_matmul_ref(x.double(), qw, scales, zeros, bits)
+            same = quant_matmul_ref(x, qw, scales, zeros, bits, upcast=False)
+            err = (out.double() - ref).abs().max().item()
+            pt_err = (same.double() - ref).abs().max().item()
+            floor = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1.0)
+            assert err <= 2 * pt_err + floor, (dtype, block_k, split, err, pt_err)
