@@ -188,9 +188,34 @@ class ChosenConfigs:
         config = self._chosen.get(key)
         if config is None:
             tuner[grid](*args, **consts)
-            self._chosen[key] = tuner.best_config
+            self._chosen[key] = self._settle(tuner, grid, args, consts)
         else:
             tuner.fn[grid(config.kwargs)](*args, **consts, **config.all_kwargs())
+
+    @staticmethod
+    def _settle(tuner: Any, grid: Callable[[dict], tuple], args: tuple, consts: dict[str, Any], top: int = 3) -> Any:
+        """The search's best configuration, or the fastest of its ``top`` when timed again in two interleaved
+        passes: one timing per candidate does not separate candidates a few percent apart (on an H100 the search
+        picked a forward configuration 4% slower than the best, at hd128 S = 1k, 2026-11-26)."""
+        import statistics
+
+        from triton.testing import do_bench
+
+        best = tuner.best_config
+        timings = getattr(tuner, "configs_timings", None) or {}
+
+        def median(t: Any) -> float:
+            return float(t[0] if isinstance(t, (list, tuple)) else t)
+
+        ranked = sorted((c for c, t in timings.items() if median(t) == median(t)), key=lambda c: median(timings[c]))
+        if len(ranked) < 2 or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+            return best
+        times: dict[Any, list[float]] = {c: [] for c in ranked[:top]}
+        for _ in range(2):
+            for c in times:
+                times[c].append(do_bench(lambda c=c: tuner.fn[grid(c.kwargs)](*args, **consts, **c.all_kwargs()),
+                                         return_mode="median"))
+        return min(times, key=lambda c: statistics.fmean(times[c]))
 
 
 def tune_key(geo: Geometry, consts: dict[str, Any], dtype: torch.dtype, window: int | None = None) -> tuple:

@@ -245,3 +245,46 @@ def test_llama_triton_backend_packed_rows_and_cache_fallback():
     cache, cache_ref = (StaticKVCache.for_model(m, batch_size=2, max_seq_len=32) for m in (model, eager))
     torch.testing.assert_close(model(tokens[:, :9], kv_cache=cache), eager(tokens[:, :9], kv_cache=cache_ref),
                                atol=1e-5, rtol=1e-4)
+
+
+def test_autotune_settles_close_candidates_by_timing_them_again(monkeypatch):
+    """``ChosenConfigs._settle``: the search's top three are timed again in two interleaved passes and the fastest
+    on average wins, whatever the search's single timings said; ties with fewer than two candidates keep its pick."""
+    pytest.importorskip("triton")
+    import triton.testing
+
+    from lightning_llmopt.kernels.flash_attention_common import ChosenConfigs
+
+    class Config:
+        def __init__(self, name: str) -> None:
+            self.name, self.kwargs = name, {"BLOCK_M": 64}
+
+        def all_kwargs(self) -> dict:
+            return {"tag": self.name}
+
+    a, b, c, d = (Config(n) for n in "abcd")
+    launched: list[str] = []
+
+    class Kernel:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            return lambda *args, tag, **kw: launched.append(tag)
+
+    class Tuner:
+        fn = Kernel()
+        best_config = a  # the search's pick
+        configs_timings = {a: [1.00, 0.9, 1.1], b: [1.02, 1.0, 1.1], c: [1.03, 1.0, 1.1], d: [2.0, 1.9, 2.1]}
+
+    true_ms = {"a": 1.04, "b": 0.97, "c": 1.01, "d": 2.0}
+
+    def fake_bench(fn, return_mode="median"):  # noqa: ANN001, ANN202
+        fn()
+        return true_ms[launched[-1]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    chosen = ChosenConfigs._settle(Tuner(), lambda meta: (1,), (), {})
+    assert chosen is b
+    assert sorted(set(launched)) == ["a", "b", "c"] and len(launched) == 6  # the top three, twice; never d
+    Tuner.configs_timings = {a: [1.0, 0.9, 1.1]}
+    assert ChosenConfigs._settle(Tuner(), lambda meta: (1,), (), {}) is a
