@@ -244,10 +244,16 @@ class LLMEngine(EngineOutputs):
         work = ModelRunner.order(sched.work)
         decode_only = all(w.samples and w.seq.num_output > 0 and w.start == w.seq.num_computed for w in work)
         decode_only = decode_only and all(w.num_tokens == w.num_logits for w in work)
-        k = steps_for(self, work) if decode_only else 1
+        k = steps_for(self, work, speculating=bool(items)) if decode_only else 1
         if k > 1:  # several greedy steps in one host round trip
+            t_run = now()
             events = greedy_steps(self, work, k)
             if events is not None:
+                if self.spec is not None:  # a run is the plain path the drafts must beat: its cost per step
+                    self.spec.observe_step(len(work), (now() - t_run) / k)
+                    if sched.preempted or any(e.finished for e in events):  # drafter state of the finished
+                        self.spec.release({s.seq_id for s in self.scheduler.running})
+                self.stats.preemptions += len(sched.preempted)
                 self.stats.busy_s += now() - start
                 return events
         t0 = now()

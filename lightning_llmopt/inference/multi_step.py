@@ -39,13 +39,16 @@ if TYPE_CHECKING:
 __all__ = ["greedy_steps", "steps_for"]
 
 
-def steps_for(engine: LLMEngine, work: list[Work]) -> int:
+def steps_for(engine: LLMEngine, work: list[Work], speculating: bool = False) -> int:
     """How many greedy steps ``work`` (a decode-only step) can run in one round trip; 1 when it must take the
-    ordinary path: no graphs, speculation, a waiting request that could be admitted now, a sampled (non-greedy) or
-    parallel-sampled sequence, or fewer than two tokens left to any sequence."""
+    ordinary path: no graphs, a sequence speculating this step, a waiting request that could be admitted now, a
+    sampled (non-greedy) or parallel-sampled sequence, or fewer than two tokens left to any sequence. A speculative
+    engine whose drafts were all ruled out this step (``speculating`` false: the adaptive controller found drafting
+    too costly, or nothing to propose) runs like a plain one; its drafters catch up on the committed tokens when
+    they next propose."""
     k = engine.config.decode_steps
     graphs = engine.graphs
-    if k < 2 or graphs is None or engine.spec is not None or _admissible(engine):
+    if k < 2 or graphs is None or speculating or _admissible(engine):
         return 1
     if not graphs.accepts(work):
         return 1

@@ -165,3 +165,31 @@ def test_decode_steps_is_validated():
 
     with pytest.raises(ValueError, match="decode_steps"):
         EngineConfig(decode_steps=0)
+
+
+def test_speculative_engine_runs_plain_steps_while_drafting_is_ruled_out(model_factory, prompts_factory, monkeypatch):
+    """A speculative engine whose controller rules drafting out (draft cost 50 target steps) decodes in multi-step
+    runs like a plain engine between its probes; output equals plain decoding, the probes still draft, and neither
+    the target's nor the drafter's blocks leak (sequences finishing inside a run are released)."""
+    from lightning_llmopt.inference.speculative import SpeculativeConfig
+
+    model = model_factory(seed=4)
+    draft = model_factory(seed=9, n_layers=1, dim=32, n_heads=2)
+    spec = SpeculativeConfig("draft", draft_model=draft, num_tokens=3, draft_cost=50.0, probe_every=2)
+    engine = _engine(model, speculative=spec)
+    plain = LLMEngine(model, block_size=4, num_blocks=96)
+    import lightning_llmopt.inference.engine as engine_module
+
+    runs = []
+    run = engine_module.greedy_steps
+    monkeypatch.setattr(engine_module, "greedy_steps", lambda eng, work, k: runs.append(k) or run(eng, work, k))
+    prompts = prompts_factory([6, 11, 3, 9], 320, seed=8)
+    params = [SamplingParams(max_tokens=n) for n in (5, 17, 9, 12)]  # finishing on different steps
+    outs = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outs == [o.token_ids for o in plain.generate(prompts, params)]
+    assert runs and max(runs) > 1, "no multi-step run"
+    assert engine.stats.spec_draft_tokens > 0  # the probes drafted
+    _all_back(engine)
+    drafter = engine.spec.drafter
+    assert drafter.blocks.allocator.num_free == drafter.blocks.allocator.capacity
+    assert not drafter.state
