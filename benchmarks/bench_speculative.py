@@ -60,8 +60,12 @@ def train(cfg: LlamaConfig, dm: TextDataModule, steps: int, device: str, seed: i
     return model.eval()
 
 
-def timed(model: Llama, prompts: list[list[int]], n: int, spec: SpeculativeConfig | None, repeats: int):
+def timed(
+    model: Llama, prompts: list[list[int]], n: int, spec: SpeculativeConfig | None, repeats: int, device_rounds=True
+):
     engine = LLMEngine(model, speculative=spec, max_num_seqs=max(len(prompts), 1), block_size=16)
+    if engine.spec is not None:
+        engine.spec.device_rounds = device_rounds  # False: the host path (one step per round trip)
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     engine.generate(prompts, params)  # warm-up (graphs, autotuning, cost model)
     times, outs = [], None
@@ -129,13 +133,14 @@ def main() -> None:
         ),
         "prompt_lookup": SpeculativeConfig("prompt_lookup", num_tokens=args.k, adaptive=False),
     }
-    for name, spec in variants.items():
-        out, s, st = timed(target, one, args.max_tokens, spec, args.repeats)
+    runs = [(name, spec, True) for name, spec in variants.items()] + [("draft", variants["draft"], False)]
+    for name, spec, device_rounds in runs:
+        out, s, st = timed(target, one, args.max_tokens, spec, args.repeats, device_rounds)
         c = step_s[name] / step_s["target"] if name in step_s else 0.0
         a = st.acceptance_rate
         pred = predicted_speedup(min(a, 0.999999), args.k, c)
         row = {
-            "variant": f"{name}-b1",
+            "variant": f"{name}-b1" + ("" if device_rounds else "-host-path"),
             "median_s": s,
             "speedup": plain_s / s,
             "predicted_speedup": pred,
@@ -162,6 +167,9 @@ def main() -> None:
             "acceptance": st.acceptance_rate,
             "tokens_per_step": st.tokens_per_step,
             "identical": out == ref32,
+            "spec_step_s": st.spec_decode_s,  # time of decode steps that speculated, and of those that did not
+            "plain_step_s": st.plain_decode_s,
+            "busy_s": st.busy_s,
         }
         results.append(row)
         print(row, flush=True)

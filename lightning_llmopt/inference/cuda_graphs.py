@@ -209,7 +209,7 @@ class DecodeGraphs:
         """The logits :meth:`ModelRunner.forward` returns for ``work`` (see :meth:`accepts`): one row per sampled
         token, in order."""
         n = sum(w.num_tokens for w in work)
-        b = next(s for s in self.sizes if s >= n)
+        b = self.size_for(n)
         self._fill(work, b)
         out = self._step(b)
         pick = sampled_rows(work)
@@ -217,28 +217,39 @@ class DecodeGraphs:
             return out[:n]
         return out.index_select(0, to_device(torch.tensor(pick, dtype=torch.long), out.device))
 
-    def stage_chain(self, passes: list[np.ndarray], tables: list[list[int]]) -> Tensor:
-        """Upload the inputs of a chain of steps over the same ``n`` single-token rows: ``passes`` (each ``(5, n)``,
-        the :func:`decode_rows` layout) in one copy, and the rows' block tables (one per row, shared by every pass)
-        into the static table buffer. Returns ``(P, 5, b)`` device rows for :meth:`replay_rows` (``b`` the captured
-        size for ``n``; padding rows zero). The pinned buffers are the chain's own, reused by the next chain: the
-        caller synchronises with the host in between (it reads the chain's tokens)."""
-        n, P = len(tables), len(passes)
-        b = next(s for s in self.sizes if s >= n)
-        pin = self.runner.device.type == "cuda"
-        if self._chain_staging is None or self._chain_staging.shape[0] < P:
-            self._chain_staging = torch.zeros(P, 5, self.max_batch, dtype=torch.long, pin_memory=pin)
+    def size_for(self, n: int) -> int:
+        """The captured row count a step of ``n`` rows runs at (``n <= max_batch``)."""
+        return next(s for s in self.sizes if s >= n)
+
+    def load_tables(self, tables: list[list[int]]) -> None:
+        """Put one block table per row (rows ``0 .. len(tables) - 1``) into the static table buffer, through the
+        chain's own pinned buffer (reused by the next chain or :meth:`load_tables`: the caller synchronises with the
+        host in between, reading the chain's tokens)."""
+        if self._chain_tables is None:
+            pin = self.runner.device.type == "cuda"
             self._chain_tables = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.int32, pin_memory=pin)
-        assert self._chain_tables is not None
-        stage = self._chain_staging.numpy()
-        stage[:P, :, :b] = 0
-        for j, rows in enumerate(passes):
-            stage[j, :, :n] = rows
         tab = self._chain_tables.numpy()
         widest = max([1, *(len(t) for t in tables)])
         for r, table in enumerate(tables):
             tab[r, : len(table)] = table
+        n = len(tables)
         self.tables[:n, :widest].copy_(self._chain_tables[:n, :widest], non_blocking=True)
+
+    def stage_chain(self, passes: list[np.ndarray], tables: list[list[int]]) -> Tensor:
+        """Upload the inputs of a chain of steps over the same ``n`` single-token rows: ``passes`` (each ``(5, n)``,
+        the :func:`decode_rows` layout) in one copy, and the rows' block tables (one per row, shared by every pass)
+        into the static table buffer (:meth:`load_tables`). Returns ``(P, 5, b)`` device rows for :meth:`replay_rows`
+        (``b`` the captured size for ``n``; padding rows zero)."""
+        n, P = len(tables), len(passes)
+        b = self.size_for(n)
+        pin = self.runner.device.type == "cuda"
+        if self._chain_staging is None or self._chain_staging.shape[0] < P:
+            self._chain_staging = torch.zeros(P, 5, self.max_batch, dtype=torch.long, pin_memory=pin)
+        stage = self._chain_staging.numpy()
+        stage[:P, :, :b] = 0
+        for j, rows in enumerate(passes):
+            stage[j, :, :n] = rows
+        self.load_tables(tables)
         return self._chain_staging[:P, :, :b].to(self.runner.device, non_blocking=True)
 
     def replay_rows(self, meta: Tensor, n: int, ids: Tensor | None = None) -> Tensor:

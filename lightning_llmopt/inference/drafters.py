@@ -315,6 +315,30 @@ class ModelDrafter:
             ds.tokens[s:] = toks
             ds.num_computed = s + K - 1
 
+    def prepare_rounds(self, seqs: Sequence[Seq], upto: Sequence[int]) -> None:
+        """Ready ``seqs`` for device-side speculative rounds (:mod:`~lightning_llmopt.inference.spec_chain`): each
+        sequence's cache holds the keys/values of every token but its last two (a round's first draft pass feeds
+        those two), and its table covers positions ``< upto[i]``. Raises :class:`OutOfBlocks` when the draft pool is
+        short (tables may have grown; the next :meth:`propose` or round trims them)."""
+        behind: list[tuple[int, _DraftSeq]] = []
+        for i, (seq, n) in enumerate(zip(seqs, upto, strict=True)):
+            ds = self._sync(seq)
+            self.blocks.ensure(ds, n)
+            if ds.num_computed < len(seq.tokens) - 2:
+                del ds.tokens[len(seq.tokens) - 2 :]
+                behind.append((i, ds))
+        if behind:
+            self._forward(behind)
+        for seq in seqs:
+            self.set_computed(seq, len(seq.tokens) - 2)
+
+    def set_computed(self, seq: Seq, n: int) -> None:
+        """Record that the cache holds the keys/values of ``seq.tokens[:n]`` (after device-side rounds)."""
+        ds = self.state.setdefault(seq.seq_id, _DraftSeq())
+        n = max(0, min(n, len(seq.tokens)))
+        ds.tokens = list(seq.tokens[:n])
+        ds.num_computed = n
+
     def release(self, live: set[int]) -> None:
         for sid in [s for s in self.state if s not in live]:
             ds = self.state.pop(sid)

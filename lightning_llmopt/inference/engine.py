@@ -36,6 +36,7 @@ from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.runner import ModelRunner, to_device
 from lightning_llmopt.inference.sampling import SamplingParams, sample
 from lightning_llmopt.inference.scheduler import Schedule, Scheduler, Work
+from lightning_llmopt.inference.spec_chain import speculative_rounds
 from lightning_llmopt.inference.stats import EngineStats
 from lightning_llmopt.models.llama import Llama
 
@@ -239,7 +240,12 @@ class LLMEngine(EngineOutputs):
             if self.scheduler.has_work() and not self.scheduler.running:
                 raise RuntimeError("the scheduler could not admit any request (KV pool too small?)")
             return []
-        items = self.spec.extend(sched) if self.spec is not None else []
+        wanted = self.spec.plan(sched) if self.spec is not None else []
+        if wanted and (events := speculative_rounds(self, sched, wanted)) is not None:  # greedy rounds on device
+            self.stats.preemptions += len(sched.preempted)
+            self.stats.busy_s += now() - start
+            return events
+        items = self.spec.extend(sched, wanted) if self.spec is not None and wanted else []
         self.pool.copy_blocks(sched.copies)
         work = ModelRunner.order(sched.work)
         decode_only = all(w.samples and w.seq.num_output > 0 and w.start == w.seq.num_computed for w in work)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -143,24 +144,31 @@ class SpeculativeDecoder:
         if isinstance(self.drafter, ModelDrafter) and draft_cost is None:  # until measured: the bytes ratio
             self.controller._draft_cost_est = _param_bytes(self.drafter.model) / max(_param_bytes(target), 1)
         self.draft_s = 0.0
+        # greedy steps of a model drafter with graphs run as device-side rounds (:mod:`.spec_chain`)
+        self.device_rounds = True
+        self.device_runs = 0  # runs of device-side rounds so far
+        self.round_graphs: dict[tuple[int, int], Any] = {}  # (batch, k) -> spec_chain.RoundGraph
 
     # ------------------------------------------------------------------ before the forward pass
     def _room(self, seq: Seq) -> int:
         p = seq.request.params
         return min(p.max_tokens - seq.num_output - 1, self.max_model_len - len(seq.tokens) - 1)
 
-    def extend(self, sched: Schedule) -> list[SpecItem]:
-        """Draft for the step's decodes and grow their work (see the module docstring); returns the speculating
-        sequences."""
+    def plan(self, sched: Schedule) -> list[tuple[Work, int]]:
+        """The step's decodes that speculate and the draft length each wants (the adaptive controller's choice,
+        before the room and budget caps of :meth:`extend`)."""
         decodes = [w for w in sched.work if w.num_tokens == 1 and w.samples and w.seq.num_output > 0]
         if not decodes or self.controller.idle(len(decodes)):
             return []
+        plan = self.controller.plan_active([w.seq.seq_id for w in decodes], len(decodes))
+        return [(w, k) for w, k in zip(decodes, plan, strict=True) if k > 0]
+
+    def extend(self, sched: Schedule, wanted: list[tuple[Work, int]]) -> list[SpecItem]:
+        """Draft for the step's decodes that want to (:meth:`plan`) and grow their work (see the module docstring);
+        returns the speculating sequences."""
         left = self.budget - sched.num_tokens
         chosen: list[tuple[Work, int]] = []
-        plan = self.controller.plan_active([w.seq.seq_id for w in decodes], len(decodes))
-        for w, want in zip(decodes, plan, strict=True):
-            if want <= 0:
-                continue
+        for w, want in wanted:
             k = min(want, self._room(w.seq), left)
             if k > 0:
                 chosen.append((w, k))

@@ -259,6 +259,7 @@ class AdaptiveDraftLength:
     _hopeless_gap: int = 0  # steps between such probes now (0: probe_every)
     _last: dict[tuple[int, int], float] = field(default_factory=dict)  # (target 0 / draft 1, size): last sample
     _spikes: dict[tuple[int, int], int] = field(default_factory=dict)  # the same key: outliers in a row
+    probing: bool = False  # the last plan includes a probe (a k = 1 step kept only to re-measure)
 
     # ---------------------------------------------------------------- estimates
     def alpha(self, seq_id: int) -> float:
@@ -379,10 +380,12 @@ class AdaptiveDraftLength:
     def plan_active(self, seq_ids: Sequence[int], batch: int) -> list[int]:
         """:meth:`plan` for a step :meth:`idle` has already counted and found not idle (the engine asks :meth:`idle`
         first, so an idle step costs it no per-sequence work)."""
+        self.probing = False
         if not self.adaptive:
             return [self.max_k] * len(seq_ids)
         cost = self.token_cost(batch)
         if self.best_k(1.0 - 1e-9, cost)[1] < self.min_gain:  # a probe step (idle() just reset its counter)
+            self.probing = True
             return [1] * len(seq_ids)
         self._hopeless_idle = self._hopeless_gap = 0
         out = []
@@ -391,7 +394,9 @@ class AdaptiveDraftLength:
             s = self.seqs.get(seq_id) or self.seqs.setdefault(seq_id, _SeqAcceptance())
             if k == 0 or gain < self.min_gain:
                 s.off_steps += 1
-                out.append(1 if s.off_steps % self.probe_every == 0 else 0)
+                probe = s.off_steps % self.probe_every == 0
+                self.probing |= probe
+                out.append(1 if probe else 0)
             else:
                 s.off_steps = 0
                 out.append(k)

@@ -152,6 +152,7 @@ def test_chained_draft_rounds_equal_round_by_round(temperature, model_factory, p
             "draft", draft_model=model_factory(seed=9, n_layers=1, dim=32, n_heads=2), num_tokens=3, adaptive=False
         )
         engine = _rows_engine(model_factory(seed=1), speculative=spec)
+        engine.spec.device_rounds = False  # the host path's draft proposals (device rounds: test_spec_chain.py)
         engine.spec.drafter.chain_rounds = chain
         prompts = _prompts(prompts_factory)
         params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i) for i, m in enumerate(MAX_TOKENS)]
