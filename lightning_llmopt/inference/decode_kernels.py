@@ -258,11 +258,8 @@ def fused_forward(runner: ModelRunner, inp: StepInputs, max_context: int | None 
     for i, block in enumerate(model.layers.values()):
         attn = block.attention
         N, D = res.shape[0], attn.head_dim
-        if N == 1:  # norm, q, k and v in one launch where that is faster
-            qkv, res = lin.norm_qkv(res, delta, block.attention_norm, (attn.wq, attn.wk, attn.wv))
-        else:
-            x, res = add_rms_norm(res, block.attention_norm.weight, block.attention_norm.eps, delta)
-            qkv = (lin(x, attn.wq), lin(x, attn.wk), lin(x, attn.wv))
+        # norm, q, k and v in one launch where that is faster (a few rows; more take add_rms_norm and cuBLAS)
+        qkv, res = lin.norm_qkv(res, delta, block.attention_norm, (attn.wq, attn.wk, attn.wv))
         q, k, v = (t.view(N, -1, D) for t in qkv)  # (N, H, D), (N, H_kv, D), (N, H_kv, D)
         kc, vc = pool.layer(i)
         ks, vs = pool.layer_scales(i)
@@ -270,11 +267,7 @@ def fused_forward(runner: ModelRunner, inp: StepInputs, max_context: int | None 
         o = runner.attention(i, q, k, v, inp, max_context)
         a = lin(o.reshape(N, -1), attn.wo)
         ff = block.feed_forward
-        if N == 1:
-            h, res = lin.norm_swiglu(res, a, block.ffn_norm, ff.w1, ff.w3)
-        else:
-            x, res = add_rms_norm(res, block.ffn_norm.weight, block.ffn_norm.eps, a)
-            h = lin.swiglu(x, ff.w1, ff.w3)
+        h, res = lin.norm_swiglu(res, a, block.ffn_norm, ff.w1, ff.w3)
         delta = lin(h, ff.w2)
     idx = inp.logits_idx
     out, _ = add_rms_norm(res[idx], model.norm.weight, model.norm.eps, delta[idx] if delta is not None else None)

@@ -257,6 +257,7 @@ class LLMEngine(EngineOutputs):
             if events is not None:
                 if self.spec is not None:  # a run is the plain path the drafts must beat: its cost per step
                     self.spec.observe_step(len(work), (now() - t_run) / k)
+                    self.spec.observe_outcome(len(work), events, now() - start, False)
                     if sched.preempted or any(e.finished for e in events):  # drafter state of the finished
                         self.spec.release({s.seq_id for s in self.scheduler.running})
                 self.stats.preemptions += len(sched.preempted)
@@ -273,6 +274,8 @@ class LLMEngine(EngineOutputs):
             events = self._sample(work, logits)
         if decode_only:
             self.stats.record_decode(len(work), events, now() - start, bool(items))
+            if self.spec is not None:
+                self.spec.observe_outcome(len(work), events, now() - start, bool(items))
         self.stats.steps += 1
         self.stats.preemptions += len(sched.preempted)
         self.stats.busy_s += now() - start

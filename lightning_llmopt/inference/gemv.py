@@ -33,7 +33,9 @@ from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_s
 
 ensure_interpreted_stdlib()
 
-__all__ = ["gemv", "gemv_cat", "gemv_swiglu", "norm_gemv_cat", "norm_gemv_swiglu", "pdl_enabled"]
+__all__ = ["MAX_ROWS", "gemv", "gemv_cat", "gemv_swiglu", "norm_gemv_cat", "norm_gemv_swiglu", "pdl_enabled"]
+
+MAX_ROWS = 16  # input rows the GEMVs take (more than one: :func:`_gemv_rows_kernel`)
 
 try:  # grid dependency control (programmatic dependent launch, Hopper and later)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -139,6 +141,98 @@ def _gemv_kernel(X, W0, W1, W2, B0, B1, B2, Y, N0, N1, N2, K, s0, s1, s2, DELTA,
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rmask)
 
 
+@triton.jit
+def _gemv_rows_kernel(X, W0, W1, W2, B0, B1, B2, Y, M, N0, N1, N2, K, s0, s1, s2, DELTA, NORM_W, RES, eps,
+                      NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
+                      HAS_DELTA: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`_gemv_kernel` for ``M <= BLOCK_M`` input rows (contiguous, ``K`` apart): each program streams its
+    ``BLOCK_N`` weight rows once and multiplies them with every input row on the tensor cores (the rows padded to
+    ``BLOCK_M``). ``NORM``: per input row, ``sum(r^2)`` beside the products and ``rsqrt(mean + eps)`` on the sums at
+    the end, as the one-row kernel does, but the input times the norm weight is rounded to the weight dtype for the
+    tensor cores. ``IEEE``: fp32 weights multiply in full fp32 (no TF32)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    if SWIGLU:
+        n_out = N0
+    else:
+        n_out = N0 + N1 + N2
+    rmask = rows < n_out
+    ms = tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    w_a = W0 + rows64[:, None] * s0
+    if SWIGLU:
+        w_b = W1 + rows64[:, None] * s1
+    else:
+        w_b = w_a  # unused
+        if NUM_W > 1:
+            w_a = tl.where(rows[:, None] >= N0, W1 + (rows64[:, None] - N0) * s1, w_a)
+        if NUM_W > 2:
+            w_a = tl.where(rows[:, None] >= N0 + N1, W2 + (rows64[:, None] - N0 - N1) * s2, w_a)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        xmask = mmask[:, None] & cmask[None, :]
+        x_off = ms[:, None] * K + cols[None, :]
+        x = tl.load(X + x_off, mask=xmask, other=0.0)
+        wa = tl.load(w_a + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        if NORM:
+            if HAS_DELTA:
+                x = (x.to(tl.float32) + tl.load(DELTA + x_off, mask=xmask, other=0.0).to(tl.float32)).to(
+                    X.dtype.element_ty)
+                if pid == 0:
+                    tl.store(RES + x_off, x, mask=xmask)
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, 1)
+            x = xf * tl.load(NORM_W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        x = x.to(wa.dtype)
+        if IEEE:
+            acc_a = tl.dot(x, tl.trans(wa), acc_a, input_precision="ieee")
+        else:
+            acc_a = tl.dot(x, tl.trans(wa), acc_a)
+        if SWIGLU:
+            wb = tl.load(w_b + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+            if IEEE:
+                acc_b = tl.dot(x, tl.trans(wb), acc_b, input_precision="ieee")
+            else:
+                acc_b = tl.dot(x, tl.trans(wb), acc_b)
+    y = acc_a
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(sq / K + eps)
+        y = y * rstd[:, None]
+    if HAS_BIAS:
+        b_ptr = B0 + rows
+        if NUM_W > 1:
+            b_ptr = tl.where(rows >= N0, B1 + (rows - N0), b_ptr)
+        if NUM_W > 2:
+            b_ptr = tl.where(rows >= N0 + N1, B2 + (rows - N0 - N1), b_ptr)
+        y += tl.load(b_ptr, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:
+        a = y.to(Y.dtype.element_ty).to(tl.float32)
+        up = (acc_b * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
+        gate = (a / (1.0 + tl.exp(-a))).to(Y.dtype.element_ty).to(tl.float32)
+        y = gate * up
+    tl.store(Y + ms[:, None] * n_out + rows[None, :], y.to(Y.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+
+
+def _rows_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_N": 16, "BLOCK_K": 256}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=8, num_stages=3),
+    ]
+
+
 def _gemv_configs() -> list[triton.Config]:
     return [
         triton.Config({"BLOCK_N": 8, "BLOCK_K": 512}, num_warps=4, num_stages=4),
@@ -165,14 +259,15 @@ def _launch_gemv(x: Tensor, weights: list[Tensor], biases: list[Tensor] | None, 
     for w in weights:
         if w.shape[1] != K or w.stride(1) != 1 or w.dtype != weights[0].dtype:
             raise ValueError("gemv weights must share K and dtype and have contiguous rows")
-    if x.shape != (1, K):
-        raise ValueError(f"gemv needs x (1, {K}), got {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != K or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"gemv needs x (M, {K}) with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}")
     if swiglu and (len(weights) != 2 or weights[0].shape != weights[1].shape):
         raise ValueError("the SwiGLU GEMV needs two weights of one shape (gate, up)")
     x = x.contiguous()
     ns = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
     n_out = ns[0] if swiglu else sum(ns)
-    y = torch.empty(1, n_out, dtype=torch.promote_types(x.dtype, weights[0].dtype), device=x.device)
+    M = x.shape[0]
+    y = torch.empty(M, n_out, dtype=torch.promote_types(x.dtype, weights[0].dtype), device=x.device)
     ws = weights + [weights[0]] * (3 - len(weights))
     bs = (biases or []) + [ws[0]] * (3 - len(biases or []))
     norm_w, eps, delta = norm if norm is not None else (x, 0.0, None)
@@ -184,6 +279,9 @@ def _launch_gemv(x: Tensor, weights: list[Tensor], biases: list[Tensor] | None, 
             res if res is not None else x, eps)
     consts = dict(NUM_W=len(weights), HAS_BIAS=biases is not None, SWIGLU=swiglu, NORM=norm is not None,
                   HAS_DELTA=delta is not None, PDL=pdl_enabled(x.device))
+    if M > 1:
+        _launch_rows(args, consts, M, n_out, weights[0].dtype == torch.float32)
+        return y, res
     if x.device.type != "cuda":  # interpreter
         meta = dict(BLOCK_N=16, BLOCK_K=32)
         even = _even({**meta, **consts, "N0": ns[0], "N1": ns[1], "N2": ns[2], "K": K})
@@ -198,21 +296,41 @@ def _launch_gemv(x: Tensor, weights: list[Tensor], biases: list[Tensor] | None, 
     return y, res
 
 
+_tuned_rows = None
+
+
+def _launch_rows(args: tuple, consts: dict, M: int, n_out: int, ieee: bool) -> None:
+    """:func:`_gemv_rows_kernel` for ``args`` of :func:`_launch_gemv` (``M`` inserted after ``Y``)."""
+    global _tuned_rows
+    args = (*args[:8], M, *args[8:])
+    x = args[0]
+    if x.device.type != "cuda":  # interpreter
+        _gemv_rows_kernel[(triton.cdiv(n_out, 16),)](*args, **consts, IEEE=ieee, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
+        return
+    if _tuned_rows is None:
+        _tuned_rows = triton.autotune(
+            configs=_rows_configs(), key=["N0", "N1", "N2", "K", "NUM_W", "SWIGLU", "NORM", "HAS_DELTA", "IEEE"]
+        )(_gemv_rows_kernel)
+    launch = {"launch_pdl": True} if consts["PDL"] else {}
+    _tuned_rows[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)](*args, **consts, IEEE=ieee, BLOCK_M=16, **launch)
+
+
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ weight.T + bias`` for one row: ``x`` ``(1, K)``, ``weight`` ``(N, K)`` (contiguous rows) -> ``(1, N)``."""
+    """``x @ weight.T + bias`` for a few rows: ``x`` ``(M, K)`` (``M <= MAX_ROWS``), ``weight`` ``(N, K)``
+    (contiguous rows) -> ``(M, N)``."""
     return _launch_gemv(x, [weight], None if bias is None else [bias], False)[0]
 
 
 def gemv_cat(x: Tensor, weights: list[Tensor], biases: list[Tensor] | None = None) -> Tensor:
-    """``x @ cat(weights).T (+ cat(biases))`` for one row in one launch, without concatenating the weights (one to
-    three ``(N_i, K)`` weights with contiguous rows) -> ``(1, sum N_i)``."""
+    """``x @ cat(weights).T (+ cat(biases))`` for up to ``MAX_ROWS`` rows in one launch, without concatenating the
+    weights (one to three ``(N_i, K)`` weights with contiguous rows) -> ``(M, sum N_i)``."""
     if not 1 <= len(weights) <= 3 or (biases is not None and len(biases) != len(weights)):
         raise ValueError("gemv_cat takes one to three weights (and as many biases, or None)")
     return _launch_gemv(x, list(weights), None if biases is None else list(biases), False)[0]
 
 
 def gemv_swiglu(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
-    """``silu(x @ gate.T) * (x @ up.T)`` for one row in one launch -> ``(1, N)``; rounds like
+    """``silu(x @ gate.T) * (x @ up.T)`` for up to ``MAX_ROWS`` rows in one launch -> ``(M, N)``; rounds like
     ``silu_mul(gemv(x, gate), gemv(x, up))``."""
     return _launch_gemv(x, [gate, up], None, True)[0]
 

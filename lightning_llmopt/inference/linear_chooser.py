@@ -1,4 +1,4 @@
-"""Per weight shape, cuBLAS or the Triton GEMVs for one-row inputs (batch-1 decode), timed once."""
+"""Per weight shape and row count, cuBLAS or the Triton GEMVs for inputs of a few rows (decode), timed once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import torch
 from torch import Tensor
 
 from lightning_llmopt.inference.decode_kernels import add_rms_norm, silu_mul
-from lightning_llmopt.inference.gemv import gemv, gemv_cat, gemv_swiglu, norm_gemv_cat, norm_gemv_swiglu, pdl_enabled
+from lightning_llmopt.inference.gemv import (
+    MAX_ROWS,
+    gemv,
+    gemv_cat,
+    gemv_swiglu,
+    norm_gemv_cat,
+    norm_gemv_swiglu,
+    pdl_enabled,
+)
 
 __all__ = ["LinearChooser"]
 
@@ -18,14 +26,23 @@ def _split(y: Tensor, lins: tuple[Any, ...]) -> tuple[Tensor, ...]:
     return y.split([lin.weight.shape[0] for lin in lins], dim=-1)
 
 
+def _rows(x: Tensor) -> int:
+    """The row-count bucket a decision is taken for: 1, 2, 4, 8 or 16 (0: too many rows for the GEMVs)."""
+    m = x.shape[0]
+    return 0 if not 1 <= m <= MAX_ROWS else 1 << (m - 1).bit_length()
+
+
 def _plain(lin: Any) -> bool:
     return type(lin) is torch.nn.Linear and not lin._forward_hooks and not lin._forward_pre_hooks
 
 
 class LinearChooser:
-    """``F.linear`` or :func:`gemv` for one-row inputs, whichever was faster for the weight's shape (timed once,
-    outside CUDA-graph capture; inputs of several rows always take ``F.linear``). :meth:`qkv` and :meth:`swiglu`
-    likewise choose between one fused launch (:func:`gemv_cat`, :func:`gemv_swiglu`) and the separate products."""
+    """``F.linear`` or :func:`gemv` for inputs of up to :data:`~.gemv.MAX_ROWS` rows, whichever was faster for the
+    weight's shape and the row count's bucket (1, 2, 4, 8, 16; timed once, outside CUDA-graph capture; more rows
+    always take ``F.linear``). :meth:`qkv` and :meth:`swiglu` likewise choose between one fused launch
+    (:func:`gemv_cat`, :func:`gemv_swiglu`) and the separate products. Measured on an H100 (2026-11-26): a 5-row
+    verify pass of a 16-layer, 1024-wide model took 0.81 ms through cuBLAS against 0.47 ms for one row through
+    the GEMVs."""
 
     def __init__(self) -> None:
         self.use_gemv: dict[tuple, bool] = {}
@@ -38,10 +55,10 @@ class LinearChooser:
 
     def __call__(self, x: Tensor, lin: Any) -> Tensor:
         # only plain dense linears have a GEMV alternative; quantized layers run their own kernels
-        if x.shape[0] != 1 or not self._on_device(x) or not isinstance(lin, torch.nn.Linear):
+        if not _rows(x) or not self._on_device(x) or not isinstance(lin, torch.nn.Linear):
             # a plain linear skips the module call (host time: an eager prefill pass makes 7 products a layer)
             return torch.nn.functional.linear(x, lin.weight, lin.bias) if _plain(lin) else lin(x)
-        key = (tuple(lin.weight.shape), lin.weight.dtype)
+        key = (tuple(lin.weight.shape), lin.weight.dtype, _rows(x))
         return self._choose(key, lambda: gemv(x, lin.weight, lin.bias), lambda: lin(x))
 
     def qkv(self, x: Tensor, lins: tuple[Any, Any, Any]) -> tuple[Tensor, ...]:
@@ -49,7 +66,7 @@ class LinearChooser:
         separate = lambda: tuple(self(x, lin) for lin in lins)  # noqa: E731
         if not self._fusable(x, lins) or len({lin.bias is None for lin in lins}) > 1:
             return separate()
-        key = ("qkv", *(tuple(lin.weight.shape) for lin in lins), lins[0].weight.dtype, lins[0].bias is None)
+        key = ("qkv", *(tuple(lin.weight.shape) for lin in lins), lins[0].weight.dtype, lins[0].bias is None, _rows(x))
         biases = None if lins[0].bias is None else [lin.bias for lin in lins]
         return self._choose(key, lambda: _split(gemv_cat(x, [lin.weight for lin in lins], biases), lins), separate)
 
@@ -58,17 +75,24 @@ class LinearChooser:
         separate = lambda: silu_mul(self(x, gate), self(x, up))  # noqa: E731
         if not self._fusable(x, (gate, up)) or gate.bias is not None or up.bias is not None:
             return separate()
-        key = ("swiglu", tuple(gate.weight.shape), tuple(up.weight.shape), gate.weight.dtype)
+        key = ("swiglu", tuple(gate.weight.shape), tuple(up.weight.shape), gate.weight.dtype, _rows(x))
         return self._choose(key, lambda: gemv_swiglu(x, gate.weight, up.weight), separate)
 
-    def norm_qkv(self, x: Tensor, delta: Tensor | None, norm: Any,
-                 lins: tuple[Any, Any, Any]) -> tuple[tuple[Tensor, ...], Tensor]:
+    def norm_qkv(
+        self, x: Tensor, delta: Tensor | None, norm: Any, lins: tuple[Any, Any, Any]
+    ) -> tuple[tuple[Tensor, ...], Tensor]:
         """``((wq h, wk h, wv h), r)`` with ``r = x + delta`` and ``h = norm(r)`` (:func:`add_rms_norm`)."""
         separate = lambda: self._normed(x, delta, norm, lambda h: self.qkv(h, lins))  # noqa: E731
         if not self._fusable(x, lins) or len({lin.bias is None for lin in lins}) > 1:
             return separate()
-        key = ("norm+qkv", *(tuple(lin.weight.shape) for lin in lins), lins[0].weight.dtype, lins[0].bias is None,
-               delta is None)
+        key = (
+            "norm+qkv",
+            *(tuple(lin.weight.shape) for lin in lins),
+            lins[0].weight.dtype,
+            lins[0].bias is None,
+            delta is None,
+            _rows(x),
+        )
         biases = None if lins[0].bias is None else [lin.bias for lin in lins]
 
         def fused() -> tuple[tuple[Tensor, ...], Tensor]:
@@ -83,7 +107,14 @@ class LinearChooser:
         separate = lambda: self._normed(x, delta, norm, lambda h: self.swiglu(h, gate, up))  # noqa: E731
         if not self._fusable(x, (gate, up)) or gate.bias is not None or up.bias is not None:
             return separate()
-        key = ("norm+swiglu", tuple(gate.weight.shape), tuple(up.weight.shape), gate.weight.dtype, delta is None)
+        key = (
+            "norm+swiglu",
+            tuple(gate.weight.shape),
+            tuple(up.weight.shape),
+            gate.weight.dtype,
+            delta is None,
+            _rows(x),
+        )
 
         def fused() -> tuple[Tensor, Tensor]:
             self.fused_calls += 1
@@ -97,7 +128,7 @@ class LinearChooser:
         return fn(h), res
 
     def _fusable(self, x: Tensor, lins: tuple[Any, ...]) -> bool:
-        if x.shape[0] != 1 or not self._on_device(x) or not all(_plain(lin) for lin in lins):
+        if not _rows(x) or not self._on_device(x) or not all(_plain(lin) for lin in lins):
             return False
         w0 = lins[0].weight
         return all(lin.weight.dtype == w0.dtype and lin.weight.shape[1] == w0.shape[1] for lin in lins)

@@ -31,6 +31,7 @@ statistics). Greedy output is what the host path gives: the same forward passes 
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.request import StreamEvent, now
 from lightning_llmopt.inference.runner import ModelRunner, StepInputs, to_device
 from lightning_llmopt.inference.scheduler import Schedule, Work
+from lightning_llmopt.inference.speculative import expected_tokens
 
 if TYPE_CHECKING:
     from lightning_llmopt.inference.engine import LLMEngine
@@ -54,9 +56,10 @@ __all__ = ["rounds_for", "speculative_rounds"]
 
 def rounds_for(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Work, int]]) -> tuple[int, int]:
     """``(k, R)``: the draft length and rounds :func:`speculative_rounds` can run for this step, ``R = 0`` when it
-    must take the host path. ``R`` stays within ``decode_steps`` and within every sequence's ``max_tokens`` and the
-    model length even if every draft is accepted (``k + 1`` tokens a round), so no round is wasted on a length
-    limit."""
+    must take the host path. ``R`` is at most ``decode_steps``, and no more than the rounds the sequence closest to
+    its ``max_tokens`` is expected to need at its acceptance rate (tokens past the limit are dropped, so only the last
+    run of a sequence may compute a round it does not use); every position a run can write (``k + 1`` tokens a
+    round) stays within the model length."""
     spec = engine.spec
     if spec is None or not spec.device_rounds or engine.graphs is None or spec.controller.probing:
         return 0, 0  # a probe is one re-measuring step on the host path
@@ -73,7 +76,8 @@ def rounds_for(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Work, int]
         seq, p = w.seq, w.seq.request.params
         if w.num_tokens != 1 or not w.samples or w.start != seq.num_computed or not p.greedy or p.n != 1:
             return 0, 0
-        rounds = min(rounds, (p.max_tokens - seq.num_output) // (k + 1))
+        expected = expected_tokens(min(spec.controller.alpha(seq.seq_id), 1.0 - 1e-6), k)
+        rounds = min(rounds, math.ceil((p.max_tokens - seq.num_output) / expected))
         rounds = min(rounds, (engine.max_model_len - len(seq.tokens)) // (k + 1))
     return (k, rounds) if rounds >= 1 else (0, 0)
 
@@ -251,7 +255,9 @@ def speculative_rounds(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Wo
     verify = spec.controller.step_cost(len(seqs) * (k + 1))  # a target pass over the verify rows (fitted)
     if device_s and verify is not None:  # the rest of a round is drafting
         spec.controller.observe_draft(len(seqs), len(seqs) * k * rounds, max(0.0, device_s - rounds * verify))
-    return _commit(engine, seqs, tokens.tolist(), k, per_round)
+    events = _commit(engine, seqs, tokens.tolist(), k, per_round)
+    spec.observe_outcome(len(seqs), events, now() - started, True)
+    return events
 
 
 def _commit(engine: LLMEngine, seqs: list[Seq], tokens: list, k: int, seconds: float) -> list[StreamEvent]:

@@ -247,6 +247,11 @@ class SpeculativeDecoder:
             self.stats.spec_accepted += m
             self.stats.spec_verifications += 1
 
+    def observe_outcome(self, batch: int, events: list, seconds: float, speculative: bool) -> None:
+        """A decode-only step (or run) of ``batch`` sequences that emitted ``events`` (:meth:`AdaptiveDraftLength.
+        observe_outcome`)."""
+        self.controller.observe_outcome(batch, speculative, sum(len(e.token_ids) for e in events), seconds)
+
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.controller.observe_target(num_tokens, seconds)
 

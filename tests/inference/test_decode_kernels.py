@@ -92,42 +92,46 @@ def test_silu_mul(dtype):
     _ulp_close(silu_mul(a, b), F.silu(a) * b, 1 if dtype == torch.float16 else 4)
 
 
+@pytest.mark.parametrize("M", [1, 3, 16])
 @pytest.mark.parametrize(("N", "K", "bias"), [(40, 72, False), (17, 130, True)])
-def test_gemv(N, K, bias):
+def test_gemv(N, K, bias, M):
+    """One row (the one-row kernel) and several (the tensor-core rows kernel, padded to 16 rows)."""
     from lightning_llmopt.inference.gemv import gemv
 
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(K, N, bias=bias).to(DEVICE)
-    x = torch.randn(1, K, generator=g).to(DEVICE)
+    x = torch.randn(M, K, generator=g).to(DEVICE)
     with torch.no_grad():
         ref = lin(x)
         out = gemv(x, lin.weight, lin.bias)
     # fp32 both ways, different summation order: a few ulps of the sum of |terms|
-    scale = (lin.weight.abs() * x.abs()).sum(1).max().item()
+    scale = (x.abs() @ lin.weight.abs().T).max().item()
     assert (out - ref).abs().max().item() <= 8 * torch.finfo(torch.float32).eps * scale
 
 
 @pytest.mark.parametrize(
     ("sizes", "K", "bias"), [((40, 24, 24), 72, False), ((17, 9, 9), 130, True), ((33,), 64, True)]
 )
-def test_gemv_cat(sizes, K, bias):
+@pytest.mark.parametrize("M", [1, 5])
+def test_gemv_cat(sizes, K, bias, M):
     """q, k and v in one launch: rows of the concatenated weights (segments need not align with the row tiles)."""
     from lightning_llmopt.inference.gemv import gemv_cat
 
     g = torch.Generator().manual_seed(5)
     lins = [torch.nn.Linear(K, n, bias=bias).to(DEVICE) for n in sizes]
-    x = torch.randn(1, K, generator=g).to(DEVICE)
+    x = torch.randn(M, K, generator=g).to(DEVICE)
     with torch.no_grad():
         ref = torch.cat([lin(x) for lin in lins], dim=-1)
         out = gemv_cat(x, [lin.weight for lin in lins], [lin.bias for lin in lins] if bias else None)
     assert out.shape == ref.shape
     w = torch.cat([lin.weight for lin in lins])
-    scale = (w.abs() * x.abs()).sum(1).max().item()
+    scale = (x.abs() @ w.abs().T).max().item()
     assert (out - ref).abs().max().item() <= 8 * torch.finfo(torch.float32).eps * scale
 
 
+@pytest.mark.parametrize("M", [1, 4])
 @pytest.mark.parametrize(("N", "K", "dtype"), [(40, 72, torch.float16), (19, 130, torch.float32)])
-def test_gemv_swiglu_rounds_like_the_separate_kernels(N, K, dtype):
+def test_gemv_swiglu_rounds_like_the_separate_kernels(N, K, dtype, M):
     """The fused gate/up GEMV with the SiLU epilogue equals ``silu_mul(gemv(gate), gemv(up))`` bit for bit (same
     summation order, same rounding points) and the PyTorch expression within the products' rounding."""
     from lightning_llmopt.inference.decode_kernels import silu_mul
@@ -135,7 +139,7 @@ def test_gemv_swiglu_rounds_like_the_separate_kernels(N, K, dtype):
 
     g = torch.Generator().manual_seed(6)
     gate, up = (torch.randn(N, K, generator=g).to(DEVICE, dtype) / K**0.5 for _ in range(2))
-    x = torch.randn(1, K, generator=g).to(DEVICE, dtype)
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
     out = gemv_swiglu(x, gate, up)
     assert torch.equal(out, silu_mul(gemv(x, gate), gemv(x, up)))
     ref = F.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
@@ -154,9 +158,10 @@ def test_gemv_rejects_mismatched_weights():
         gemv_swiglu(x, torch.randn(4, 8, device=DEVICE), torch.randn(5, 8, device=DEVICE))
 
 
+@pytest.mark.parametrize("M", [1, 6])
 @pytest.mark.parametrize("has_delta", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_norm_gemvs_match_add_rms_norm_then_gemv(has_delta, dtype):
+def test_norm_gemvs_match_add_rms_norm_then_gemv(has_delta, dtype, M):
     """RMSNorm (with the residual add) fused into the q/k/v (with biases, Qwen-style) and gate/up GEMVs: the residual
     equals add_rms_norm's bit for bit, and the products agree with add_rms_norm + GEMV within the rounding of the
     normalised input, which the fused kernel skips (two roundings of each input element, a few ulps of the sum of
@@ -166,8 +171,8 @@ def test_norm_gemvs_match_add_rms_norm_then_gemv(has_delta, dtype):
 
     g = torch.Generator().manual_seed(7)
     K = 136
-    x = torch.randn(1, K, generator=g).to(DEVICE, dtype)
-    delta = torch.randn(1, K, generator=g).to(DEVICE, dtype) if has_delta else None
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    delta = torch.randn(M, K, generator=g).to(DEVICE, dtype) if has_delta else None
     nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, dtype)
     ws = [(torch.randn(n, K, generator=g) / K**0.5).to(DEVICE, dtype) for n in (48, 16, 16)]
     biases = [torch.randn(w.shape[0], generator=g).to(DEVICE, dtype) for w in ws] if has_delta else None
@@ -176,7 +181,7 @@ def test_norm_gemvs_match_add_rms_norm_then_gemv(has_delta, dtype):
     assert torch.equal(res, res_ref)
     ref = gemv_cat(h, ws, biases)
     eps = torch.finfo(dtype).eps
-    scale = (torch.cat(ws).float().abs() * h.float().abs()).sum(1).max().item()
+    scale = (h.float().abs() @ torch.cat(ws).float().abs().T).max().item()
     assert (y.float() - ref.float()).abs().max().item() <= 6 * eps * max(scale, 1.0)
     s, res2 = norm_gemv_swiglu(x, nw, 1e-5, delta, ws[1], ws[2])
     assert torch.equal(res2, res_ref)

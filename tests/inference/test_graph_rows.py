@@ -42,6 +42,8 @@ def _rows_engine(model, **kw) -> LLMEngine:
     width = engine.blocks.blocks_for(engine.max_model_len)
     engine.graphs = _Spy(engine.runner, SIZES, width, engine.max_model_len)
     drafter = engine.spec.drafter if engine.spec is not None else None
+    if engine.spec is not None:  # the host path's row layout (device-side rounds: test_spec_chain.py)
+        engine.spec.device_rounds = False
     if drafter is not None and hasattr(drafter, "runner"):
         drafter.graphs = _Spy(
             drafter.runner, SIZES, drafter.blocks.blocks_for(engine.max_model_len), engine.max_model_len
@@ -152,7 +154,6 @@ def test_chained_draft_rounds_equal_round_by_round(temperature, model_factory, p
             "draft", draft_model=model_factory(seed=9, n_layers=1, dim=32, n_heads=2), num_tokens=3, adaptive=False
         )
         engine = _rows_engine(model_factory(seed=1), speculative=spec)
-        engine.spec.device_rounds = False  # the host path's draft proposals (device rounds: test_spec_chain.py)
         engine.spec.drafter.chain_rounds = chain
         prompts = _prompts(prompts_factory)
         params = [SamplingParams(max_tokens=m, temperature=temperature, seed=i) for i, m in enumerate(MAX_TOKENS)]

@@ -184,7 +184,7 @@ def test_speculative_engine_runs_plain_steps_while_drafting_is_ruled_out(model_f
     run = engine_module.greedy_steps
     monkeypatch.setattr(engine_module, "greedy_steps", lambda eng, work, k: runs.append(k) or run(eng, work, k))
     prompts = prompts_factory([6, 11, 3, 9], 320, seed=8)
-    params = [SamplingParams(max_tokens=n) for n in (5, 17, 9, 12)]  # finishing on different steps
+    params = [SamplingParams(max_tokens=n) for n in (13, 40, 21, 30)]  # finishing on different steps
     outs = [o.token_ids for o in engine.generate(prompts, params)]
     assert outs == [o.token_ids for o in plain.generate(prompts, params)]
     assert runs and max(runs) > 1, "no multi-step run"

@@ -225,8 +225,9 @@ def test_batched_draft_distributions_match_row_by_row() -> None:
 
 def test_plan_follows_the_documented_rule_in_both_paths():
     """``plan`` against the rule written out here: each sequence gets the ``k`` maximising the predicted speedup at
-    its acceptance rate, ``0`` below ``min_gain`` with a one-token probe every ``probe_every``-th such step; when not
-    even ``alpha = 1`` would pay, everyone probes together at doubling intervals (``probe_every``, 2x, 4x, ... 16x)."""
+    its acceptance rate, ``0`` below ``min_gain`` with a one-token probe every ``probe_every``-th such step, and every
+    ``probe_every``-th speculating plan runs plain while no plain throughput was measured; when not even ``alpha = 1``
+    would pay, everyone probes together at doubling intervals (``probe_every``, 2x, 4x, ... 16x)."""
 
     def trained(draft_cost: float) -> AdaptiveDraftLength:
         ctl = AdaptiveDraftLength(max_k=4, draft_cost=draft_cost, probe_every=3)
@@ -237,6 +238,7 @@ def test_plan_follows_the_documented_rule_in_both_paths():
 
     ctl = trained(0.05)
     off = {1: 0, 2: 0, 3: 0}
+    speculating = 0  # plans that speculate: every probe_every-th runs plain (no plain throughput measured yet)
     for _ in range(7):
         want = []
         for sid in (1, 2, 3):
@@ -248,6 +250,10 @@ def test_plan_follows_the_documented_rule_in_both_paths():
             else:
                 off[sid] = 0
                 want.append(k)
+        if any(want):
+            speculating += 1
+            if speculating % 3 == 0:
+                want = [0, 0, 0]
         assert ctl.plan([1, 2, 3], batch=3) == want
     assert want[0] == 4 and want[1] in (0, 1)
 
@@ -261,4 +267,39 @@ def test_plan_follows_the_documented_rule_in_both_paths():
     cheap = AdaptiveDraftLength(max_k=4, draft_cost=50.0, probe_every=3)
     cheap.plan([1], batch=1)
     cheap.draft_cost = 0.05  # costs fell: back to per-sequence decisions, backoff reset
-    assert cheap.plan([1], batch=1) == [4] and cheap._hopeless_gap == 0
+    assert cheap.plan([1], batch=1) == [4] and 1 not in cheap._idle_gap
+
+
+def test_probe_intervals_are_per_batch_size_and_measured_throughput_rules_out():
+    """A batch size where speculation pays does not reset another's probe backoff; and where speculating steps were
+    measured slower than plain ones at a batch size, speculation is ruled out there (probes only) even though the
+    cost model predicts a gain, while other batch sizes still speculate."""
+    ctl = AdaptiveDraftLength(max_k=4, draft_cost=50.0, probe_every=2)
+    for _ in range(7):
+        ctl.plan([1, 2], batch=2)
+    gap = ctl._idle_gap[2]
+    ctl.draft_cost = 0.05
+    ctl.plan([1], batch=1)  # pays at batch 1
+    ctl.draft_cost = 50.0
+    assert ctl._idle_gap[2] == gap
+
+    fast = AdaptiveDraftLength(max_k=4, draft_cost=0.0, probe_every=4)
+    for _ in range(10):
+        fast.update(1, 4, 3)
+    assert fast.plan([1], batch=32)[0] > 0
+    for speculative, tokens, seconds in ((True, 60, 0.2), (False, 32, 0.1)) * 2:  # the first of each is skipped
+        fast.observe_outcome(32, speculative, tokens, seconds)  # 300 tokens/s speculating, 320 plain
+    assert fast.ruled_out(32, fast.token_cost(32)) and not fast.ruled_out(8, fast.token_cost(8))
+    plans = [fast.plan([1], batch=32)[0] for _ in range(8)]
+    assert plans.count(0) >= 6 and max(plans) > 1  # idle, and probes that speculate as the plan would
+    assert fast.plan([1], batch=8)[0] > 1
+    fast.observe_outcome(32, True, 200, 0.2)  # speculation got faster: it comes back
+    always = AdaptiveDraftLength(max_k=4, draft_cost=0.0, probe_every=4)  # never idle: plain steps are planned
+    plans = [always.plan([1, 2], batch=16) for _ in range(12)]
+    assert [i for i, p in enumerate(plans) if p == [0, 0]] == [3, 7, 11]  # until a plain step is measured
+    for _ in range(2):
+        always.observe_outcome(16, False, 16, 0.01)
+    plans = [always.plan([1, 2], batch=16) for _ in range(64)]
+    assert [i for i, p in enumerate(plans) if p == [0, 0]] == [63]  # then every 16 * probe_every
+    fast.observe_outcome(32, True, 200, 0.2)
+    assert not fast.ruled_out(32, fast.token_cost(32))
