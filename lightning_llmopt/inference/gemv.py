@@ -59,6 +59,46 @@ _HOPPER: dict[int, bool] = {}  # device index -> compute capability 9.0 or later
 
 
 @triton.jit
+def _weight_rows(W0, W1, W2, rows, N0, N1, N2, s0, s1, s2, NUM_W: tl.constexpr, SWIGLU: tl.constexpr):
+    """``(n_out, row mask, pointers to the rows of A, of B)``: output row ``r`` reads row ``r`` of ``[W0; W1; W2]``
+    (A; B unused), or with ``SWIGLU`` row ``r`` of ``W0`` (A, the gate) and of ``W1`` (B, the up projection)."""
+    rows64 = rows.to(tl.int64)
+    if SWIGLU:
+        n_out = N0
+    else:
+        n_out = N0 + N1 + N2
+    w_a = W0 + rows64[:, None] * s0
+    if SWIGLU:
+        w_b = W1 + rows64[:, None] * s1
+    else:
+        w_b = w_a  # unused
+        if NUM_W > 1:
+            w_a = tl.where(rows[:, None] >= N0, W1 + (rows64[:, None] - N0) * s1, w_a)
+        if NUM_W > 2:
+            w_a = tl.where(rows[:, None] >= N0 + N1, W2 + (rows64[:, None] - N0 - N1) * s2, w_a)
+    return n_out, rows < n_out, w_a, w_b
+
+
+@triton.jit
+def _bias(B0, B1, B2, rows, rmask, N0, N1, NUM_W: tl.constexpr):
+    """fp32 bias of output rows ``rows`` (the biases concatenated like the weights)."""
+    b_ptr = B0 + rows
+    if NUM_W > 1:
+        b_ptr = tl.where(rows >= N0, B1 + (rows - N0), b_ptr)
+    if NUM_W > 2:
+        b_ptr = tl.where(rows >= N0 + N1, B2 + (rows - N0 - N1), b_ptr)
+    return tl.load(b_ptr, mask=rmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _silu_times(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` rounded where the unfused path rounds: each product, then the SiLU."""
+    a = gate.to(dtype).to(tl.float32)
+    u = up.to(dtype).to(tl.float32)
+    return (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32) * u
+
+
+@triton.jit
 def _gemv_kernel(X, W0, W1, W2, B0, B1, B2, Y, N0, N1, N2, K, s0, s1, s2, DELTA, NORM_W, RES, eps,
                  NUM_W: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
                  HAS_DELTA: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -76,21 +116,7 @@ def _gemv_kernel(X, W0, W1, W2, B0, B1, B2, Y, N0, N1, N2, K, s0, s1, s2, DELTA,
         gdc_wait()  # the previous kernel's writes (x, delta) are visible; nothing is read or written before this
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows64 = rows.to(tl.int64)
-    if SWIGLU:
-        n_out = N0
-    else:
-        n_out = N0 + N1 + N2
-    rmask = rows < n_out
-    w_a = W0 + rows64[:, None] * s0
-    if SWIGLU:
-        w_b = W1 + rows64[:, None] * s1
-    else:
-        w_b = w_a  # unused
-        if NUM_W > 1:
-            w_a = tl.where(rows[:, None] >= N0, W1 + (rows64[:, None] - N0) * s1, w_a)
-        if NUM_W > 2:
-            w_a = tl.where(rows[:, None] >= N0 + N1, W2 + (rows64[:, None] - N0 - N1) * s2, w_a)
+    n_out, rmask, w_a, w_b = _weight_rows(W0, W1, W2, rows, N0, N1, N2, s0, s1, s2, NUM_W, SWIGLU)
     acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -127,17 +153,9 @@ def _gemv_kernel(X, W0, W1, W2, B0, B1, B2, Y, N0, N1, N2, K, s0, s1, s2, DELTA,
         rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
         y = y * rstd
     if HAS_BIAS:
-        b_ptr = B0 + rows
-        if NUM_W > 1:
-            b_ptr = tl.where(rows >= N0, B1 + (rows - N0), b_ptr)
-        if NUM_W > 2:
-            b_ptr = tl.where(rows >= N0 + N1, B2 + (rows - N0 - N1), b_ptr)
-        y += tl.load(b_ptr, mask=rmask, other=0.0).to(tl.float32)
+        y += _bias(B0, B1, B2, rows, rmask, N0, N1, NUM_W)
     if SWIGLU:
-        a = y.to(Y.dtype.element_ty).to(tl.float32)
-        up = (tl.sum(acc_b, 1) * rstd).to(Y.dtype.element_ty).to(tl.float32)
-        gate = (a / (1.0 + tl.exp(-a))).to(Y.dtype.element_ty).to(tl.float32)
-        y = gate * up
+        y = _silu_times(y, tl.sum(acc_b, 1) * rstd, Y.dtype.element_ty)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rmask)
 
 
@@ -156,23 +174,9 @@ def _gemv_rows_kernel(X, W0, W1, W2, B0, B1, B2, Y, M, N0, N1, N2, K, s0, s1, s2
         gdc_wait()
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows64 = rows.to(tl.int64)
-    if SWIGLU:
-        n_out = N0
-    else:
-        n_out = N0 + N1 + N2
-    rmask = rows < n_out
+    n_out, rmask, w_a, w_b = _weight_rows(W0, W1, W2, rows, N0, N1, N2, s0, s1, s2, NUM_W, SWIGLU)
     ms = tl.arange(0, BLOCK_M)
     mmask = ms < M
-    w_a = W0 + rows64[:, None] * s0
-    if SWIGLU:
-        w_b = W1 + rows64[:, None] * s1
-    else:
-        w_b = w_a  # unused
-        if NUM_W > 1:
-            w_a = tl.where(rows[:, None] >= N0, W1 + (rows64[:, None] - N0) * s1, w_a)
-        if NUM_W > 2:
-            w_a = tl.where(rows[:, None] >= N0 + N1, W2 + (rows64[:, None] - N0 - N1) * s2, w_a)
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -209,17 +213,9 @@ def _gemv_rows_kernel(X, W0, W1, W2, B0, B1, B2, Y, M, N0, N1, N2, K, s0, s1, s2
         rstd = tl.rsqrt(sq / K + eps)
         y = y * rstd[:, None]
     if HAS_BIAS:
-        b_ptr = B0 + rows
-        if NUM_W > 1:
-            b_ptr = tl.where(rows >= N0, B1 + (rows - N0), b_ptr)
-        if NUM_W > 2:
-            b_ptr = tl.where(rows >= N0 + N1, B2 + (rows - N0 - N1), b_ptr)
-        y += tl.load(b_ptr, mask=rmask, other=0.0).to(tl.float32)[None, :]
+        y += _bias(B0, B1, B2, rows, rmask, N0, N1, NUM_W)[None, :]
     if SWIGLU:
-        a = y.to(Y.dtype.element_ty).to(tl.float32)
-        up = (acc_b * rstd[:, None]).to(Y.dtype.element_ty).to(tl.float32)
-        gate = (a / (1.0 + tl.exp(-a))).to(Y.dtype.element_ty).to(tl.float32)
-        y = gate * up
+        y = _silu_times(y, acc_b * rstd[:, None], Y.dtype.element_ty)
     tl.store(Y + ms[:, None] * n_out + rows[None, :], y.to(Y.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
 
 
