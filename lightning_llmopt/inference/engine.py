@@ -242,9 +242,7 @@ class LLMEngine(EngineOutputs):
             return []
         wanted = self.spec.plan(sched) if self.spec is not None else []
         if wanted and (events := speculative_rounds(self, sched, wanted)) is not None:  # greedy rounds on device
-            self.stats.preemptions += len(sched.preempted)
-            self.stats.busy_s += now() - start
-            return events
+            return self._account(sched, start, events)
         items = self.spec.extend(sched, wanted) if self.spec is not None and wanted else []
         self.pool.copy_blocks(sched.copies)
         work = ModelRunner.order(sched.work)
@@ -260,9 +258,7 @@ class LLMEngine(EngineOutputs):
                     self.spec.observe_outcome(len(work), events, now() - start, False)
                     if sched.preempted or any(e.finished for e in events):  # drafter state of the finished
                         self.spec.release({s.seq_id for s in self.scheduler.running})
-                self.stats.preemptions += len(sched.preempted)
-                self.stats.busy_s += now() - start
-                return events
+                return self._account(sched, start, events)
         t0 = now()
         work, logits = step_logits(self.graphs, self.runner, work, self.config.mixed_steps == "split")
         if self.spec is not None:
@@ -277,6 +273,9 @@ class LLMEngine(EngineOutputs):
             if self.spec is not None:
                 self.spec.observe_outcome(len(work), events, now() - start, bool(items))
         self.stats.steps += 1
+        return self._account(sched, start, events)
+
+    def _account(self, sched: Schedule, start: float, events: list[StreamEvent]) -> list[StreamEvent]:
         self.stats.preemptions += len(sched.preempted)
         self.stats.busy_s += now() - start
         return events
