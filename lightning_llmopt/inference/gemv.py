@@ -220,12 +220,18 @@ def _gemv_rows_kernel(X, W0, W1, W2, B0, B1, B2, Y, M, N0, N1, N2, K, s0, s1, s2
 
 
 def _rows_configs() -> list[triton.Config]:
+    """Candidates of the few-row kernel. Compiled for sm90 with Triton 3.6 (2026-11-26), the folded-norm variants
+    spill registers with ``BLOCK_K`` of 256 or more (and the SwiGLU one at 128); the ``BLOCK_K = 64`` tiles do not,
+    so each variant has spill-free candidates (the one-weight products spill in none)."""
     return [
         triton.Config({"BLOCK_N": 16, "BLOCK_K": 256}, num_warps=4, num_stages=4),
         triton.Config({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4, num_stages=4),
         triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_N": 32, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
     ]
 
 
