@@ -147,7 +147,7 @@ class SpeculativeDecoder:
         # greedy steps of a model drafter with graphs run as device-side rounds (:mod:`.spec_chain`)
         self.device_rounds = True
         self.device_runs = 0  # runs of device-side rounds so far
-        self.round_graphs: dict[tuple[int, int], Any] = {}  # (batch, k) -> spec_chain.RoundGraph
+        self.round_graphs: dict[tuple[int, int], Any] = {}  # (padded batch, k) -> spec_chain.RoundGraph
 
     # ------------------------------------------------------------------ before the forward pass
     def _room(self, seq: Seq) -> int:
