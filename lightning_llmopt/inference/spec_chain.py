@@ -44,7 +44,7 @@ from lightning_llmopt.inference.drafters import ModelDrafter
 from lightning_llmopt.inference.multi_step import _admissible
 from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.request import StreamEvent, now
-from lightning_llmopt.inference.runner import ModelRunner, StepInputs, to_device
+from lightning_llmopt.inference.runner import StepInputs, to_device
 from lightning_llmopt.inference.scheduler import Schedule, Work
 from lightning_llmopt.inference.speculative import expected_tokens
 
@@ -95,62 +95,71 @@ def _padded(engine: LLMEngine, B: int, k: int) -> int:
     return 0
 
 
-class _Pass:
-    """Static inputs of one forward pass over ``n`` single-token rows: row ``i`` is sequence ``seq[i]`` at position
-    ``L[seq[i]] + offset[i]`` (``L`` the sequences' lengths on the device), with its own block table row."""
-
-    def __init__(self, runner: ModelRunner, seq: Tensor, offset: Tensor, width: int, max_context: int) -> None:
-        n = seq.numel()
-        self.runner, self.seq, self.off, self.max_context = runner, seq, offset, max_context
-        self.meta = torch.zeros(5, n, dtype=torch.long, device=seq.device)
-        self.tables = torch.zeros(n, width, dtype=torch.int32, device=seq.device)
-        self.rows = torch.arange(n, device=seq.device)
-        ids, pos, blocks, slots, ctx = self.meta.unbind(0)
-        self.inputs = StepInputs(ids, pos, blocks, slots, n, self.tables, ctx, max_context, self.rows)
-
-    def forward(self, lengths: Tensor, ids: Tensor, shift: int = 0) -> Tensor:
-        """Logits ``(n, V)`` of the rows at ``lengths + offset + shift`` feeding ``ids``."""
-        bs = self.runner.block_size
-        pos = lengths[self.seq] + self.off + shift
-        blk = self.tables[self.rows, (pos // bs).clamp_max(self.tables.shape[1] - 1)].long()  # padding rows
-        self.meta.copy_(torch.stack([ids, pos, blk, pos % bs, pos + 1]))
-        return self.runner.forward(self.inputs, max_context=self.max_context)
-
-
 class RoundGraph:
     """One speculative round of ``B`` sequences with ``k`` drafts (module docstring) over static buffers, captured
     as one CUDA graph (on CUDA; elsewhere, or if capture fails, run eagerly): replaying it advances the state
     ``(lengths, last token, token before)`` on the device and leaves the round's drafts, ``m`` and next token in
-    :attr:`out` ``(k + 2, B)``."""
+    :attr:`out` ``(k + 2, B)``.
+
+    The rows of all ``k + 1`` passes share one ``(5, R)`` buffer (token, position, block, slot, context; the
+    :class:`DecodeGraphs` layout) and one table buffer, so a round rebuilds every pass's rows with a handful of
+    kernels: the draft's first pass (``2B`` rows: the last two tokens), its later passes (``B`` rows each) and the
+    verify pass (``(k + 1) B`` rows, token-major). Each ``argmax`` writes its tokens straight into the verify rows,
+    which the next draft pass reads as its tokens. Column ``c`` is sequence ``seq[c]`` at position
+    ``L[seq[c]] + offset[c]``."""
 
     def __init__(self, engine: LLMEngine, B: int, k: int) -> None:
         assert engine.spec is not None and engine.graphs is not None
         drafter = engine.spec.drafter
         assert isinstance(drafter, ModelDrafter) and drafter.graphs is not None
         dev, self.B, self.k = engine.device, B, k
+        self.block_size = engine.runner.block_size
         ar = torch.arange(B, device=dev)
-        dw, tw, ctx = drafter.graphs.max_blocks, engine.graphs.max_blocks, engine.graphs.max_context
-        self.first = _Pass(
-            drafter.runner, ar.repeat(2), (torch.arange(2, device=dev) - 2).repeat_interleave(B), dw, ctx
-        )
-        self.later = _Pass(drafter.runner, ar, torch.zeros_like(ar), dw, ctx)
-        self.verify = _Pass(
-            engine.runner, ar.repeat(k + 1), (torch.arange(k + 1, device=dev) - 1).repeat_interleave(B), tw, ctx
-        )
+        steps = torch.arange(k + 1, device=dev).repeat_interleave(B)  # 0 .. k, B of each
+        self.v0 = 2 * B + (k - 1) * B  # first column of the verify pass
+        self.seq = torch.cat([ar.repeat(2), ar.repeat(k - 1), ar.repeat(k + 1)])
+        self.off = torch.cat([steps[: 2 * B] - 2, steps[B : k * B] - 1, steps - 1])
+        R = self.seq.numel()
+        width = max(drafter.graphs.max_blocks, engine.graphs.max_blocks)
+        self.meta = torch.zeros(5, R, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(R, width, dtype=torch.int32, device=dev)
+        self.cols = torch.arange(R, device=dev)
+        ctx = engine.graphs.max_context
+
+        def inputs(lo: int, hi: int, ids: Tensor) -> StepInputs:
+            _, pos, blocks, slots, context = (row[lo:hi] for row in self.meta.unbind(0))
+            return StepInputs(ids, pos, blocks, slots, hi - lo, self.tables[lo:hi], context, ctx, self.cols[: hi - lo])
+
+        ids = self.meta[0]
+        self.passes = [(drafter.runner, inputs(0, 2 * B, ids[: 2 * B]))]
+        for j in range(1, k):  # pass j feeds d_j, the verify pass's token row j
+            lo = 2 * B + (j - 1) * B
+            self.passes.append((drafter.runner, inputs(lo, lo + B, ids[self.v0 + j * B : self.v0 + (j + 1) * B])))
+        self.passes.append((engine.runner, inputs(self.v0, R, ids[self.v0 :])))
         self.state = torch.zeros(3, B, dtype=torch.long, device=dev)
         self.out = torch.zeros(k + 2, B, dtype=torch.long, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         if dev.type == "cuda":
             self._capture()
 
+    def _forward(self, p: int) -> Tensor:
+        runner, inp = self.passes[p]
+        return runner.forward(inp, max_context=inp.dec_max_ctx)
+
     def _round(self) -> None:
-        B, k = self.B, self.k
+        B, k, bs, v0 = self.B, self.k, self.block_size, self.v0
         lengths, last, prev = self.state.unbind(0)
-        picks = [self.first.forward(lengths, torch.cat([prev, last]))[B:].argmax(-1)]
-        for j in range(k - 1):
-            picks.append(self.later.forward(lengths, picks[-1], shift=j).argmax(-1))
-        drafts = torch.stack(picks)  # (k, B)
-        target = self.verify.forward(lengths, torch.cat([last[None], drafts]).flatten()).argmax(-1).view(k + 1, B)
+        pos = lengths[self.seq] + self.off
+        blk = self.tables[self.cols, (pos // bs).clamp_max(self.tables.shape[1] - 1)].long()  # clamp: padding rows
+        self.meta[1:].copy_(torch.stack([pos, blk, pos % bs, pos + 1]))
+        ids = self.meta[0]
+        torch.cat([prev, last], out=ids[: 2 * B])
+        ids[v0 : v0 + B].copy_(last)
+        torch.argmax(self._forward(0)[B:], -1, out=ids[v0 + B : v0 + 2 * B])
+        for j in range(1, k):
+            torch.argmax(self._forward(j), -1, out=ids[v0 + (j + 1) * B : v0 + (j + 2) * B])
+        drafts = ids[v0 + B :].view(k, B)
+        target = self._forward(k).argmax(-1).view(k + 1, B)
         m = (drafts == target[:k]).long().cumprod(0).sum(0)
         nxt = target.gather(0, m[None])[0]
         before = torch.where(m == 0, last, drafts.gather(0, (m - 1).clamp_min(0)[None])[0])
@@ -160,8 +169,7 @@ class RoundGraph:
     def _capture(self) -> None:
         """Warm up (Triton compilation and autotuning) and capture, with zero tables and lengths 2: the warm-up
         writes only into the null block."""
-        for p in (self.first, self.later, self.verify):
-            p.tables.zero_()
+        self.tables.zero_()
         self.state.copy_(torch.tensor([[2], [0], [0]], device=self.state.device).expand(3, self.B))
         stream = torch.cuda.Stream(self.state.device)
         stream.wait_stream(torch.cuda.current_stream(self.state.device))
@@ -187,15 +195,12 @@ class RoundGraph:
         self.state.copy_(to_device(host, self.state.device))
         pad = [[]] * (self.B - len(seqs))
         draft_tables = draft_tables + pad
-        for p, tables in (
-            (self.first, draft_tables * 2),
-            (self.later, draft_tables),
-            (self.verify, ([s.block_table for s in seqs] + pad) * (self.k + 1)),
-        ):
-            tab = np.zeros(tuple(p.tables.shape), dtype=np.int32)
-            for r, t in enumerate(tables):
-                tab[r, : len(t)] = t
-            p.tables.copy_(to_device(torch.from_numpy(tab), p.tables.device))
+        target_tables = [s.block_table for s in seqs] + pad
+        rows = draft_tables * 2 + draft_tables * (self.k - 1) + target_tables * (self.k + 1)
+        tab = np.zeros(tuple(self.tables.shape), dtype=np.int32)
+        for r, t in enumerate(rows):
+            tab[r, : len(t)] = t
+        self.tables.copy_(to_device(torch.from_numpy(tab), self.tables.device))
 
     def replay(self) -> None:
         if self.graph is not None:
