@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -193,6 +194,10 @@ class RoundGraph:
         host[0] = 2
         host[:, : len(seqs)] = torch.tensor([[len(s.tokens), s.tokens[-1], s.tokens[-2]] for s in seqs]).T
         self.state.copy_(to_device(host, self.state.device))
+        self.load_tables(seqs, draft_tables)
+
+    def load_tables(self, seqs: list[Seq], draft_tables: list[list[int]]) -> None:
+        """Stage the block tables only (a run that continues the state the previous run left on the device)."""
         pad = [[]] * (self.B - len(seqs))
         draft_tables = draft_tables + pad
         target_tables = [s.block_table for s in seqs] + pad
@@ -209,64 +214,155 @@ class RoundGraph:
             self._round()
 
 
-def _run(engine: LLMEngine, seqs: list[Seq], k: int, rounds: int) -> tuple[Tensor, float]:
-    """The device part: ``rounds`` replays of the :class:`RoundGraph` of ``(len(seqs), k)`` (captured on first use);
-    returns ``(R, k + 2, B)`` int64 on the host (per round the ``k`` drafts, ``m`` and the token after the accepted
-    drafts) and the rounds' device seconds (CUDA events; 0 elsewhere)."""
+@dataclass
+class _Run:
+    """Rounds launched on the device and not yet read: ``host`` receives their tokens (``(R, k + 2, B)``: per round
+    the ``k`` drafts, ``m`` and the token after the accepted drafts) by a copy queued right behind them, so reading
+    them does not wait for work queued later (the next run)."""
+
+    graph: RoundGraph
+    seqs: list[Seq]
+    k: int
+    starts: list[int]  # each sequence's token count when the run starts
+    host: Tensor
+    events: tuple[Any, Any, Any] | None  # CUDA: begin, end of the rounds, and the copy's completion
+
+
+def _graph_for(engine: LLMEngine, B: int, k: int) -> RoundGraph:
+    """The :class:`RoundGraph` of ``B`` sequences (padded) and ``k`` drafts, captured on first use."""
     spec = engine.spec
-    assert spec is not None and isinstance(spec.drafter, ModelDrafter)
-    key = (_padded(engine, len(seqs), k), k)
-    graph = spec.round_graphs.get(key)
-    if graph is None:
-        graph = spec.round_graphs[key] = RoundGraph(engine, *key)
-    graph.load(seqs, [spec.drafter.state[s.seq_id].block_table for s in seqs])
-    out = torch.empty(rounds, k + 2, len(seqs), dtype=torch.long, device=engine.device)
-    timing = engine.device.type == "cuda"
-    if timing:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+    assert spec is not None
+    key = (_padded(engine, B, k), k)
+    if key not in spec.round_graphs:
+        spec.round_graphs[key] = RoundGraph(engine, *key)
+    return spec.round_graphs[key]
+
+
+def _launch(engine: LLMEngine, graph: RoundGraph, seqs: list[Seq], k: int, rounds: int, starts: list[int]) -> _Run:
+    """Queue ``rounds`` replays of ``graph`` (its state and tables already staged) and the copy of their tokens."""
+    assert engine.spec is not None
+    engine.spec.device_runs += 1
+    dev = engine.device
+    out = torch.empty(rounds, k + 2, len(seqs), dtype=torch.long, device=dev)
+    cuda = dev.type == "cuda"
+    events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if cuda else None
+    if events is not None:
+        events[0].record()
     for r in range(rounds):
         graph.replay()
         out[r].copy_(graph.out[:, : len(seqs)])
-    if timing:
-        end.record()
-    tokens = out.cpu()  # the one host synchronisation of the run
-    return tokens, begin.elapsed_time(end) / 1e3 if timing else 0.0
+    host = torch.empty(out.shape, dtype=torch.long, pin_memory=cuda)
+    if events is not None:
+        events[1].record()
+        host.copy_(out, non_blocking=True)
+        events[2].record()
+    else:
+        host.copy_(out)
+    return _Run(graph, seqs, k, starts, host, events)
 
 
-def speculative_rounds(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Work, int]]) -> list[StreamEvent] | None:
-    """Run this decode step as device-side speculative rounds (module docstring); ``None`` (nothing run, tables
-    possibly grown) when :func:`rounds_for` rules it out or a pool is short of blocks."""
-    k, rounds = rounds_for(engine, sched, wanted)
-    if rounds == 0:
-        return None
+def _read(run: _Run) -> tuple[list, float]:
+    """``(tokens, device seconds of the rounds)``: waits for this run only."""
+    if run.events is None:
+        return run.host.tolist(), 0.0
+    run.events[2].synchronize()
+    return run.host.tolist(), run.events[0].elapsed_time(run.events[1]) / 1e3
+
+
+def _grow(engine: LLMEngine, seqs: list[Seq], upto: list[int], extra: list[tuple[int, int]]) -> bool:
+    """Give every sequence target and draft blocks for positions ``< upto[i]`` and run the block copies (``extra``
+    first); False when a pool is short (the copies found so far still run; tables may have grown)."""
     spec = engine.spec
     assert spec is not None and isinstance(spec.drafter, ModelDrafter)
-    seqs = [w.seq for w, _ in wanted]
-    upto = [len(s.tokens) + rounds * (k + 1) for s in seqs]
     copies: list[tuple[int, int]] = []
     try:
         for seq, n in zip(seqs, upto, strict=True):
             copies += engine.blocks.ensure(seq, n)
-        spec.drafter.prepare_rounds(seqs, upto)
+            spec.drafter.blocks.ensure(spec.drafter.state[seq.seq_id], n)
     except OutOfBlocks:
-        engine.pool.copy_blocks(copies)  # the step's own copies are left to the host path
+        engine.pool.copy_blocks(copies)
+        return False
+    engine.pool.copy_blocks(extra + copies)
+    return True
+
+
+def _follow(engine: LLMEngine, run: _Run, tokens: list) -> _Run | None:
+    """Launch the run after ``run`` before ``run``'s tokens are committed, so the device computes it while the host
+    commits them and schedules the next step: only when every sequence goes on (no stop token, tokens left) and
+    nothing waiting could be admitted. The next step takes it if its batch and ``k`` are the same (else its work is
+    dropped: its writes lie past every sequence's committed length)."""
+    spec, k = engine.spec, run.k
+    assert spec is not None and isinstance(spec.drafter, ModelDrafter)
+    if _admissible(engine):
         return None
-    engine.pool.copy_blocks(sched.copies + copies)
+    eos = getattr(engine.tokenizer, "eos_id", None)
+    rounds = engine.config.decode_steps
+    lengths = []
+    for b, seq in enumerate(run.seqs):
+        p = seq.request.params
+        emitted = [t for rnd in tokens for t in (*(rnd[j][b] for j in range(rnd[k][b])), rnd[k + 1][b])]
+        if any(t in p.stop_token_ids or (not p.ignore_eos and t == eos) for t in emitted):
+            return None
+        length = len(seq.tokens) + len(emitted)
+        left = p.max_tokens - (seq.num_output + len(emitted))
+        expected = expected_tokens(min(spec.controller.alpha(seq.seq_id), 1.0 - 1e-6), k)
+        rounds = min(rounds, math.ceil(left / expected) if left > 0 else 0, (engine.max_model_len - length) // (k + 1))
+        lengths.append(length)
+    if rounds < 1 or not _grow(engine, run.seqs, [n + rounds * (k + 1) for n in lengths], []):
+        return None
+    run.graph.load_tables(run.seqs, [spec.drafter.state[s.seq_id].block_table for s in run.seqs])
+    return _launch(engine, run.graph, run.seqs, k, rounds, lengths)
+
+
+def speculative_rounds(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Work, int]]) -> list[StreamEvent] | None:
+    """Run this decode step as device-side speculative rounds (module docstring); ``None`` (nothing run, tables
+    possibly grown) when :func:`rounds_for` rules it out or a pool is short of blocks. A run launched behind the
+    previous one (:func:`_follow`) is taken when it matches this step."""
+    spec = engine.spec
+    assert spec is not None and isinstance(spec.drafter, ModelDrafter)
+    run, spec.pending = spec.pending, None
+    k, rounds = rounds_for(engine, sched, wanted)
+    if rounds == 0:
+        return None
+    seqs = [w.seq for w, _ in wanted]
     started = now()
-    spec.device_runs += 1
-    tokens, device_s = _run(engine, seqs, k, rounds)
-    per_round = (now() - started) / rounds
+    fresh = (
+        run is None
+        or run.k != k
+        or len(run.seqs) != len(seqs)
+        or any(a is not b for a, b in zip(run.seqs, seqs, strict=True))
+        or run.starts != [len(s.tokens) for s in seqs]
+    )
+    if fresh:
+        upto = [len(s.tokens) + rounds * (k + 1) for s in seqs]
+        try:
+            spec.drafter.prepare_rounds(seqs, upto)
+        except OutOfBlocks:
+            return None
+        if not _grow(engine, seqs, upto, sched.copies):
+            return None
+        graph = _graph_for(engine, len(seqs), k)
+        graph.load(seqs, [spec.drafter.state[s.seq_id].block_table for s in seqs])
+        run = _launch(engine, graph, seqs, k, rounds, [len(s.tokens) for s in seqs])
+    else:
+        assert run is not None
+        engine.pool.copy_blocks(sched.copies)
+    tokens, device_s = _read(run)
+    since = spec.last_read if not fresh and spec.last_read is not None else started
+    spec.pending = _follow(engine, run, tokens)
+    n = len(tokens)
     verify = spec.controller.step_cost(len(seqs) * (k + 1))  # a target pass over the verify rows (fitted)
     if device_s and verify is not None:  # the rest of a round is drafting
-        spec.controller.observe_draft(len(seqs), len(seqs) * k * rounds, max(0.0, device_s - rounds * verify))
-    events = _commit(engine, seqs, tokens.tolist(), k, per_round)
-    spec.observe_outcome(len(seqs), events, now() - started, True)
+        spec.controller.observe_draft(len(seqs), len(seqs) * k * n, max(0.0, device_s - n * verify))
+    events = _commit(engine, seqs, tokens, k, (now() - since) / n, trim=spec.pending is None)
+    spec.last_read = now()
+    spec.observe_outcome(len(seqs), events, spec.last_read - since, True)
     return events
 
 
-def _commit(engine: LLMEngine, seqs: list[Seq], tokens: list, k: int, seconds: float) -> list[StreamEvent]:
-    """Commit each round as the host path commits a speculative step; trim tables and draft states after."""
+def _commit(engine: LLMEngine, seqs: list[Seq], tokens: list, k: int, seconds: float, trim: bool) -> list[StreamEvent]:
+    """Commit each round as the host path commits a speculative step; then record the draft states and, unless a
+    run is in flight behind this one (its writes lie in those blocks), release the blocks past each sequence."""
     spec = engine.spec
     assert spec is not None and isinstance(spec.drafter, ModelDrafter)
     events: list[StreamEvent] = []
@@ -295,7 +391,8 @@ def _commit(engine: LLMEngine, seqs: list[Seq], tokens: list, k: int, seconds: f
         events += round_events
     for seq in seqs:
         if not seq.finished:
-            engine.blocks.truncate(seq, len(seq.tokens))
+            if trim:
+                engine.blocks.truncate(seq, len(seq.tokens))
             spec.drafter.set_computed(seq, len(seq.tokens) - 2)
     spec.release({s.seq_id for s in engine.scheduler.running})
     return events

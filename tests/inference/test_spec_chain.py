@@ -38,13 +38,13 @@ def _count_rounds(engine, monkeypatch) -> list[int]:
     import lightning_llmopt.inference.spec_chain as chain
 
     runs: list[int] = []
-    real = chain._run
+    real = chain._launch
 
-    def spy(engine_, seqs, k, rounds):
+    def spy(engine_, graph, seqs, k, rounds, starts):
         runs.append(rounds)
-        return real(engine_, seqs, k, rounds)
+        return real(engine_, graph, seqs, k, rounds, starts)
 
-    monkeypatch.setattr(chain, "_run", spy)
+    monkeypatch.setattr(chain, "_launch", spy)
     return runs
 
 
@@ -141,3 +141,58 @@ def test_probe_steps_take_the_host_path(model_factory, reference, prompts_factor
     assert [o.token_ids for o in outs] == [reference(model, p, 80) for p in prompts]
     assert engine.stats.spec_verifications > 0, "no probe ran"
     assert engine.spec.device_runs == 0
+
+
+def _follow_spies(monkeypatch) -> tuple[list, list]:
+    import lightning_llmopt.inference.spec_chain as chain
+
+    followed, taken = [], []
+    follow, read = chain._follow, chain._read
+
+    def spy_follow(engine_, run, tokens):
+        nxt = follow(engine_, run, tokens)
+        if nxt is not None:
+            followed.append(id(nxt))
+        return nxt
+
+    monkeypatch.setattr(chain, "_follow", spy_follow)
+    monkeypatch.setattr(chain, "_read", lambda run: taken.append(id(run) in followed) or read(run))
+    return followed, taken
+
+
+def test_runs_launched_behind_the_last_one(model_factory, reference, prompts_factory, monkeypatch):
+    """A run is launched right behind the previous one, before that one's tokens are committed, and the next step
+    takes it: output still equals full recompute, with a stop token ending one sequence (no run follows one that
+    stops) and the others running on."""
+    model = model_factory(seed=2)
+    engine = _engine(model, model_factory(seed=2), 3, num_blocks=400)
+    followed, taken = _follow_spies(monkeypatch)
+    prompts = prompts_factory([6, 9, 4, 12, 7], 320, seed=5)
+    refs = [reference(model, p, 90) for p in prompts]
+    stop = refs[1][20]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=90, stop_token_ids=(stop,)))
+    for r, o in zip(refs, outs, strict=True):
+        assert o.token_ids == (r[: r.index(stop)] if stop in r else r)
+    assert any(taken), "no step took a run launched behind the last one"
+    engine.prefix_cache.clear()
+    assert engine.blocks.allocator.num_free == engine.blocks.allocator.capacity
+
+
+def test_run_in_flight_is_dropped_when_the_step_differs(model_factory, reference, prompts_factory, monkeypatch):
+    """A request arriving while a run is in flight is admitted at the next step; the run in flight (computed for
+    the old batch) is dropped, and every output still equals full recompute."""
+    model = model_factory(seed=2)
+    engine = _engine(model, model_factory(seed=2), 3, num_blocks=400)
+    followed, taken = _follow_spies(monkeypatch)
+    prompts = prompts_factory([6, 9], 320, seed=6)
+    first = engine.add_request(prompts[0], SamplingParams(max_tokens=80))
+    while not followed:
+        engine.step()
+    second = engine.add_request(prompts[1], SamplingParams(max_tokens=40))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.result(first).outputs[0].token_ids == reference(model, prompts[0], 80)
+    assert engine.result(second).outputs[0].token_ids == reference(model, prompts[1], 40)
+    assert len(followed) > sum(taken), "the run in flight was not dropped"
+    engine.prefix_cache.clear()
+    assert engine.blocks.allocator.num_free == engine.blocks.allocator.capacity
