@@ -319,11 +319,12 @@ def speculative_rounds(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Wo
     possibly grown) when :func:`rounds_for` rules it out or a pool is short of blocks. A run launched behind the
     previous one (:func:`_follow`) is taken when it matches this step."""
     spec = engine.spec
-    assert spec is not None and isinstance(spec.drafter, ModelDrafter)
+    assert spec is not None
     run, spec.pending = spec.pending, None
     k, rounds = rounds_for(engine, sched, wanted)
     if rounds == 0:
         return None
+    assert isinstance(spec.drafter, ModelDrafter)
     seqs = [w.seq for w, _ in wanted]
     started = now()
     fresh = (
