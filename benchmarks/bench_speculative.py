@@ -62,11 +62,18 @@ def train(cfg: LlamaConfig, dm: TextDataModule, steps: int, device: str, seed: i
 
 
 def timed(
-    model: Llama, prompts: list[list[int]], n: int, spec: SpeculativeConfig | None, repeats: int, device_rounds=True
+    model: Llama,
+    prompts: list[list[int]],
+    n: int,
+    spec: SpeculativeConfig | None,
+    repeats: int,
+    device_rounds=True,
+    follow_runs=True,
 ):
     engine = LLMEngine(model, speculative=spec, max_num_seqs=max(len(prompts), 1), block_size=16)
     if engine.spec is not None:
         engine.spec.device_rounds = device_rounds  # False: the host path (one step per round trip)
+        engine.spec.follow_runs = follow_runs  # False: one device run at a time
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     engine.generate(prompts, params)  # warm-up (graphs, autotuning, cost model)
     times, outs = [], None
@@ -139,14 +146,15 @@ def main() -> None:
         ),
         "prompt_lookup": SpeculativeConfig("prompt_lookup", num_tokens=args.k, adaptive=False),
     }
-    runs = [(name, spec, True) for name, spec in variants.items()] + [("draft", variants["draft"], False)]
-    for name, spec, device_rounds in runs:
-        out, s, st = timed(target, one, args.max_tokens, spec, args.repeats, device_rounds)
+    runs = [(name, spec, True, True) for name, spec in variants.items()]
+    runs += [("draft", variants["draft"], False, True), ("draft", variants["draft"], True, False)]
+    for name, spec, device_rounds, follow in runs:
+        out, s, st = timed(target, one, args.max_tokens, spec, args.repeats, device_rounds, follow)
         c = step_s[name] / step_s["target"] if name in step_s else 0.0
         a = st.acceptance_rate
         pred = predicted_speedup(min(a, 0.999999), args.k, c)
         row = {
-            "variant": f"{name}-b1" + ("" if device_rounds else "-host-path"),
+            "variant": f"{name}-b1" + ("" if device_rounds else "-host-path") + ("" if follow else "-unpipelined"),
             "median_s": s,
             "speedup": plain_s / s,
             "predicted_speedup": pred,

@@ -293,7 +293,7 @@ def _follow(engine: LLMEngine, run: _Run, tokens: list) -> _Run | None:
     dropped: its writes lie past every sequence's committed length)."""
     spec, k = engine.spec, run.k
     assert spec is not None and isinstance(spec.drafter, ModelDrafter)
-    if _admissible(engine):
+    if not spec.follow_runs or _admissible(engine):
         return None
     eos = getattr(engine.tokenizer, "eos_id", None)
     rounds = engine.config.decode_steps
