@@ -112,9 +112,10 @@ def test_quantized_model_batch1_through_fused_decode(monkeypatch):
 
 
 def test_speculative_steps_replay_cuda_graphs():
-    """Speculation on the GPU: the verify steps (1 + k rows per sequence) and the draft model's steps replay CUDA
-    graphs, and greedy output still equals full recompute in bf16 (self-drafting: every draft is accepted; an int8
-    copy: some are rejected)."""
+    """Speculation on the GPU replays CUDA graphs: greedy steps as device-side rounds (draft passes, verify pass and
+    acceptance in one graph), and on the host path the verify steps (1 + k rows per sequence) and the draft model's
+    steps. Greedy output still equals full recompute in bf16 (self-drafting: every draft is accepted; an int8 copy:
+    some are rejected)."""
     from lightning_llmopt.inference.speculative import SpeculativeConfig
 
     model = _trained_model()
@@ -122,18 +123,26 @@ def test_speculative_steps_replay_cuda_graphs():
     prompts = [_periodic(g, 1, n)[0].tolist() for n in (19, 40, 66)]
     new = 48
     refs = _full_recompute(model, prompts, new)
-    for spec in (
-        SpeculativeConfig("draft", draft_model=model, num_tokens=4, adaptive=False),
-        SpeculativeConfig("self_quantized", quant_bits=8, num_tokens=4, adaptive=False),
+    for spec, device_rounds in (
+        (SpeculativeConfig("draft", draft_model=model, num_tokens=4, adaptive=False), True),
+        (SpeculativeConfig("draft", draft_model=model, num_tokens=4, adaptive=False), False),
+        (SpeculativeConfig("self_quantized", quant_bits=8, num_tokens=4, adaptive=False), True),
     ):
         engine = LLMEngine(  # captured on first use, so the sizes that ran are the sizes captured
             model, block_size=16, num_blocks=256, max_num_seqs=4, speculative=spec, capture_graphs_at_start=False
         )
+        engine.spec.device_rounds = device_rounds
         outs = engine.generate(prompts, SamplingParams(max_tokens=new))
-        assert [o.token_ids for o in outs] == refs
-        assert engine.stats.spec_verifications > 0 and engine.spec.device_runs > 0  # greedy: device-side rounds
-        assert any(b > 4 for b in engine.graphs.graphs), "no verify step was replayed from a graph"
-        assert engine.spec.drafter.graphs is not None and engine.spec.drafter.graphs.graphs
+        got = [o.token_ids for o in outs]
+        assert got == refs, f"{spec.method}, device rounds {device_rounds}: {got} != {refs}"
+        assert engine.stats.spec_verifications > 0
+        if device_rounds:
+            assert engine.spec.device_runs > 0
+            assert any(g.graph is not None for g in engine.spec.round_graphs.values()), "no round replayed a graph"
+        else:
+            assert engine.spec.device_runs == 0
+            assert any(b > 4 for b in engine.graphs.graphs), "no verify step was replayed from a graph"
+            assert engine.spec.drafter.graphs is not None and engine.spec.drafter.graphs.graphs
 
 
 def test_graphs_captured_at_start_serve_identically():
