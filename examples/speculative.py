@@ -3,7 +3,9 @@
     python examples/speculative.py                 # a few minutes on CPU
     python examples/speculative.py --steps 20      # a quick look
 
-Both models are byte-level Llamas trained on the Python standard library (the default corpus). The engine decodes
+Both models are byte-level Llamas trained on the Python standard library (the default corpus); the draft is
+distilled from the trained target (KL to its next-token distribution), which raises how often the target accepts
+its guesses over a draft trained on the text alone. The engine decodes
 the same prompts greedily without speculation, with the draft model, with the target's own int8 copy and with prompt
 lookup; outputs are identical and the wall time, acceptance rate and tokens per target pass are printed. On CPU a
 small model's decode step costs little more than Python overhead, so the speedup here is modest; the GPU figures are
@@ -18,19 +20,25 @@ import time
 import torch
 
 from lightning_llmopt import CausalLMModule
+from lightning_llmopt.compression import distillation_loss
 from lightning_llmopt.data import TextDataModule
 from lightning_llmopt.inference import LLMEngine, SamplingParams, SpeculativeConfig
 from lightning_llmopt.models import Llama, LlamaConfig
 
 
-def train(config: LlamaConfig, dm: TextDataModule, steps: int, seed: int) -> Llama:
+def train(config: LlamaConfig, dm: TextDataModule, steps: int, seed: int, teacher: Llama | None = None) -> Llama:
     torch.manual_seed(seed)
     model = Llama(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = iter(torch.utils.data.DataLoader(dm.train_dataset, batch_size=16, shuffle=True))
     for step in range(steps):
         batch = next(loader)
-        loss = CausalLMModule.loss_fn(model(batch["input_ids"]), batch["labels"])
+        if teacher is None:
+            loss = CausalLMModule.loss_fn(model(batch["input_ids"]), batch["labels"])
+        else:
+            with torch.no_grad():
+                soft = teacher(batch["input_ids"])
+            loss = distillation_loss(model(batch["input_ids"]), soft, batch["labels"], temperature=1.0, alpha=0.9)[0]
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -60,8 +68,8 @@ def main() -> None:
     base = dict(vocab_size=320, max_seq_len=512, tie_embeddings=True, multiple_of=32)
     print("training the target")
     target = train(LlamaConfig(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, **base), dm, args.steps, 0)
-    print("training the draft")
-    draft = train(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **base), dm, args.steps, 1)
+    print("distilling the draft from the target")
+    draft = train(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, **base), dm, args.steps, 1, target)
     val = next(iter(dm.val_dataloader()))["input_ids"]
     prompts = [val[i, :48].tolist() for i in range(args.batch)]
 
