@@ -31,8 +31,9 @@ class EngineConfig:
         enable_prefix_caching: reuse cached prompt prefixes (radix tree with LRU eviction).
         cuda_graphs: capture decode steps in CUDA graphs for ``graph_batch_sizes`` (CUDA only).
         graph_batch_sizes: decode batch sizes captured; a batch is padded up to the next captured size.
-        capture_graphs_at_start: capture every graph size (the drafter's too) when the engine is built, not on first
-            use mid-serving (a capture with its compilation stalls that step by up to seconds).
+        capture_graphs_at_start: capture every graph size (the drafter's, and the speculative round graphs for each
+            draft length, too) when the engine is built, not on first use mid-serving (a capture with its
+            compilation stalls that step by up to seconds).
         attention_backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"reference"``.
         fused_kernels: fused Triton norm/RoPE/SiLU kernels in the forward pass (default: on CUDA with Triton).
         policy: ``"continuous"`` batching, or ``"static"`` (a new batch only once the last one finished).

@@ -36,7 +36,7 @@ from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.runner import ModelRunner, to_device
 from lightning_llmopt.inference.sampling import SamplingParams, sample
 from lightning_llmopt.inference.scheduler import Schedule, Scheduler, Work
-from lightning_llmopt.inference.spec_chain import speculative_rounds
+from lightning_llmopt.inference.spec_chain import capture_rounds, speculative_rounds
 from lightning_llmopt.inference.stats import EngineStats
 from lightning_llmopt.models.llama import Llama
 
@@ -133,6 +133,7 @@ class LLMEngine(EngineOutputs):
             for graphs in (self.graphs, getattr(self.spec.drafter, "graphs", None) if self.spec else None):
                 if graphs is not None:
                     graphs.capture_all()
+            capture_rounds(self)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()

@@ -22,11 +22,13 @@ sequence's length ``L`` (tokens), its last token and the one before, all kept on
 Positions, KV slots (from the block tables, grown up front to hold every position ``R`` rounds can write) and
 context lengths are computed on the device from ``L``; tables go up once per run. The whole round (both models'
 passes, the acceptance rule and the state update) is one CUDA graph (:class:`RoundGraph`) per ``k`` and padded batch
-size, captured on first use; ``R`` rounds are ``R`` replays and one read of their tokens. Probe steps of the adaptive
-controller (``k = 1`` kept only to re-measure) stay on the host path. Keys/values written for rejected
-drafts lie past the new length: never read, overwritten later. After one read of the ``R`` rounds' tokens, each
-round is committed as the host path commits a step (scheduler bookkeeping, stop checks, events, acceptance
-statistics). Greedy output is what the host path gives: the same forward passes run over the same rows.
+size, captured with the engine's other graphs (:func:`capture_rounds`; else on first use, which stalls that step
+while it warms up); the round graphs share one memory pool. ``R`` rounds are ``R`` replays and one read of their
+tokens. Probe steps of the adaptive controller (``k = 1`` kept only to re-measure) stay on the host path.
+Keys/values written for rejected drafts lie past the new length: never read, overwritten later. After one read of
+the ``R`` rounds' tokens, each round is committed as the host path commits a step (scheduler bookkeeping, stop
+checks, events, acceptance statistics). Greedy output is what the host path gives: the same forward passes run over
+the same rows.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from lightning_llmopt.inference.speculative import expected_tokens
 if TYPE_CHECKING:
     from lightning_llmopt.inference.engine import LLMEngine
 
-__all__ = ["rounds_for", "speculative_rounds"]
+__all__ = ["capture_rounds", "rounds_for", "speculative_rounds"]
 
 
 def rounds_for(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Work, int]]) -> tuple[int, int]:
@@ -113,7 +115,7 @@ class RoundGraph:
         assert engine.spec is not None and engine.graphs is not None
         drafter = engine.spec.drafter
         assert isinstance(drafter, ModelDrafter) and drafter.graphs is not None
-        dev, self.B, self.k = engine.device, B, k
+        dev, self.B, self.k, self.spec = engine.device, B, k, engine.spec
         self.block_size = engine.runner.block_size
         ar = torch.arange(B, device=dev)
         steps = torch.arange(k + 1, device=dev).repeat_interleave(B)  # 0 .. k, B of each
@@ -180,9 +182,10 @@ class RoundGraph:
                     self._round()
             torch.cuda.current_stream(self.state.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.spec.round_pool):
                 self._round()
             self.graph = graph
+            self.spec.round_pool = graph.pool()
         except RuntimeError as exc:  # e.g. a layer that syncs with the host: run the rounds eagerly
             warnings.warn(f"CUDA graph capture of a speculative round failed ({exc}); rounds run eagerly", stacklevel=2)
             torch.cuda.synchronize(self.state.device)
@@ -226,6 +229,21 @@ class _Run:
     starts: list[int]  # each sequence's token count when the run starts
     host: Tensor
     events: tuple[Any, Any, Any] | None  # CUDA: begin, end of the rounds, and the copy's completion
+
+
+def capture_rounds(engine: LLMEngine) -> None:
+    """Capture the round graph of every draft length the controller can choose and every captured batch size up to
+    ``max_num_seqs`` (those whose rows fit the decode graphs), as the engine captures its decode graphs at start: a
+    graph captured on first use stalls that step (warm-up rounds, kernel tuning for new row counts)."""
+    spec = engine.spec
+    if spec is None or engine.graphs is None or not isinstance(spec.drafter, ModelDrafter):
+        return
+    if spec.drafter.graphs is None:
+        return
+    for k in range(1, spec.controller.max_k + 1):
+        for b in engine.config.graph_batch_sizes:
+            if b <= engine.config.max_num_seqs and _padded(engine, b, k) == b:
+                _graph_for(engine, b, k)
 
 
 def _graph_for(engine: LLMEngine, B: int, k: int) -> RoundGraph:

@@ -148,6 +148,7 @@ class SpeculativeDecoder:
         self.device_rounds = True
         self.device_runs = 0  # runs of device-side rounds so far
         self.round_graphs: dict[tuple[int, int], Any] = {}  # (padded batch, k) -> spec_chain.RoundGraph
+        self.round_pool: Any = None  # the memory pool the round graphs share (replayed one at a time)
         self.pending: Any = None  # spec_chain._Run launched behind the last one, not yet read
         self.follow_runs = True  # launch each run behind the last one (False: one run at a time, for A/B timing)
         self.last_read: float | None = None  # when the last run's tokens were read
