@@ -464,10 +464,27 @@ def family_decode(smoke: bool, hf_compile: bool, compile_budget: int) -> list[di
 # --------------------------------------------------------------------------- serve
 
 
+# ShareGPT's conversation statistics as reported for vLLM (arXiv 2309.06180): mean prompt 161 tokens, mean output
+# 338; both drawn here from lognormals of sigma 1 (medians 161 / e^0.5 and 338 / e^0.5), 4 to `cap` tokens
+SHAREGPT_MEANS = (161.31, 337.99)
+
+
+def _lognormal_len(rng: random.Random, mean: float, cap: int, sigma: float = 1.0) -> int:
+    return int(min(cap, max(4, rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma))))
+
+
 def _workload(n: int, vocab: int, prompt_range: tuple[int, int], out: str, seed: int) -> list[tuple[list[int], int]]:
+    """``n`` requests ``(prompt, max_tokens)``. ``out``: ``uniform:lo-hi`` or ``lognormal:median-max`` outputs (prompt
+    lengths uniform over ``prompt_range``), or ``sharegpt:cap`` (prompt and output lengths both lognormal with
+    ShareGPT's means, :data:`SHAREGPT_MEANS`, each capped at ``cap``; ``prompt_range`` unused)."""
     rng = random.Random(seed)
     reqs = []
     for _ in range(n):
+        if out.startswith("sharegpt"):
+            cap = int(out.split(":")[1])
+            p_len, m = _lognormal_len(rng, SHAREGPT_MEANS[0], cap), _lognormal_len(rng, SHAREGPT_MEANS[1], cap)
+            reqs.append(([rng.randrange(1, vocab) for _ in range(p_len)], m))
+            continue
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(*prompt_range))]
         if out.startswith("uniform"):
             lo, hi = (int(x) for x in out.split(":")[1].split("-"))
@@ -482,8 +499,23 @@ def _workload(n: int, vocab: int, prompt_range: tuple[int, int], out: str, seed:
 WARM_REQUESTS = 128  # untimed pass before each timed serving run: the whole workload up to this many requests
 
 
+def _step_cost(engine: Any, vocab: int, rows: int, n1: int = 8, n2: int = 40) -> float:
+    """Seconds a decode step of ``rows`` sequences costs beyond its attention: ``rows`` prompts of 16 tokens,
+    generating ``n2`` against ``n1`` tokens (the prefill cancels out; contexts stay under 56 tokens, so the KV read
+    is negligible)."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, vocab) for _ in range(16)] for _ in range(rows)]
+
+    def run(n: int) -> None:
+        engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for _ in prompts])
+
+    rate = _decode_rate(run, n1, n2, reps=3)
+    return (rate["t_n2_s"] - rate["t_n1_s"]) / (n2 - n1)
+
+
 def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int,
-                admission_batch: int | None = None, mixed_steps: str | None = None) -> dict[str, Any]:
+                admission_batch: int | None = None, mixed_steps: str | None = None,
+                step_cost: bool = False) -> dict[str, Any]:
     extra = {"mixed_steps": mixed_steps} if mixed_steps is not None else {}
     engine = LLMEngine(
         model,
@@ -507,9 +539,7 @@ def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int,
     wall = _wall(lambda: engine.generate([p for p, _ in reqs], params))
     s = engine.stats.summary()
     useful = sum(m for _, m in reqs)
-    engine = None
-    _free()
-    return {
+    row = {
         "variant": f"ours-{policy}" + (f"-admit{admission_batch}" if admission_batch is not None else "")
         + (f"-{mixed_steps}" if mixed_steps is not None else ""),
         "wall_s": wall,
@@ -518,6 +548,30 @@ def _serve_ours(model: Any, reqs: list, policy: str, num_blocks: int,
         "steps": s["steps"],
         "preemptions": s["preemptions"],
     }
+    if step_cost:  # decode steps of 8 and of 64 rows: a fixed cost per step and a cost per row
+        row["step_cost_ms"] = {r: 1e3 * _step_cost(engine, model.config.vocab_size, r) for r in (8, 64)}
+    engine = None
+    _free()
+    return row
+
+
+def _step_model(static: dict[str, Any], results: list[dict[str, Any]], useful: int) -> dict[str, Any]:
+    """What the step counts allow. A decode step of ``r`` rows costs ``W + c * r`` (``W``, ``c`` from the static
+    engine's measured steps of 8 and 64 rows); every policy computes the same rows (one a generated token), the same
+    prefill and the same attention KV reads, so ``wall = S + W * steps``, with the shared work ``S = static wall -
+    W * static steps``. Continuous batching's ratio is then bounded by ``static wall / (S + W * its steps)``, and
+    by ``static wall / (S + W * useful / 64)`` for any scheduler of 64 slots."""
+    t8, t64 = static["step_cost_ms"][8] / 1e3, static["step_cost_ms"][64] / 1e3
+    per_row = (t64 - t8) / 56
+    w = t8 - 8 * per_row
+    shared = static["wall_s"] - w * static["steps"]
+    out = {"fixed_step_ms": 1e3 * w, "per_row_us": 1e6 * per_row, "shared_s": shared, "min_steps": useful / 64,
+           "ratio_bound_any_scheduler": static["wall_s"] / (shared + w * useful / 64)}
+    for r in results:
+        predicted = shared + w * r["steps"]
+        out[r["variant"]] = {"predicted_wall_s": predicted, "ratio_bound": static["wall_s"] / predicted,
+                             "wall_over_predicted": r["wall_s"] / predicted}
+    return out
 
 
 def _serve_hf(hf: Any, reqs: list, batch: int) -> dict[str, Any]:
@@ -539,38 +593,49 @@ def _serve_hf(hf: Any, reqs: list, batch: int) -> dict[str, Any]:
     return {"variant": "hf-static-batching", "wall_s": wall, "throughput_tok_s": sum(m for _, m in reqs) / wall}
 
 
-def family_serve(smoke: bool, requests: int, with_hf: bool, admits: tuple[int, ...] = (16,)) -> list[dict]:
-    """Records ``decode-serve-<outputs>`` (128 requests) or ``decode-serve-<outputs>-q<N>`` (a queue of N)."""
-    preset = "tiny" if smoke else "llama2-7b"
+SERVE_OUTPUTS = ("uniform:16-256", "lognormal:64-256")
+
+
+def family_serve(smoke: bool, requests: int, with_hf: bool, admits: tuple[int, ...] = (16,),
+                 preset: str = "llama2-7b", outs: tuple[str, ...] = SERVE_OUTPUTS, variants: bool = True) -> list[dict]:
+    """Records ``decode-serve-<outputs>`` (128 requests) or ``decode-serve-<outputs>-q<N>`` (a queue of N), with
+    ``-<preset>`` appended for presets other than ``llama2-7b``. ``variants=False`` runs only the default continuous
+    engine against static batching."""
+    preset = "tiny" if smoke else preset
     hf, model = _models(preset, smoke)
     vocab = model.config.vocab_size
     prompt_range = (4, 24) if smoke else (32, 256)
-    outs = ["uniform:2-16", "lognormal:4-16"] if smoke else ["uniform:16-256", "lognormal:64-256"]
+    outs = ("uniform:2-16", "lognormal:4-16", "sharegpt:24") if smoke else outs
     records_out = []
     for out in outs:
         reqs = _workload(8 if smoke else requests, vocab, prompt_range, out, seed=1)
-        num_blocks = 64 * math.ceil((prompt_range[1] + int(out.split("-")[-1])) / 16) + 1
+        num_blocks = 64 * math.ceil(max(len(p) + m for p, m in reqs) / 16) + 1
         # the default admission batch is min(8, max_num_seqs) = 8; `admits` adds explicit ones (--admit)
         results = [_serve_ours(model, reqs, "continuous", num_blocks)]
-        for a in (2,) if smoke else admits:
+        for a in ((2,) if smoke else admits) if variants else ():
             results.append(_serve_ours(model, reqs, "continuous", num_blocks, admission_batch=a))
-        # mixed steps as two passes (decodes from the graph, prefill eagerly), the default until 2026-11-25
-        results.append(_serve_ours(model, reqs, "continuous", num_blocks, mixed_steps="split"))
-        peers = [_serve_ours(model, reqs, "static", num_blocks)]
+        if variants:  # mixed steps as two passes (decodes from the graph, prefill eagerly), default until 2026-11-25
+            results.append(_serve_ours(model, reqs, "continuous", num_blocks, mixed_steps="split"))
+        peers = [_serve_ours(model, reqs, "static", num_blocks, step_cost=True)]
         if with_hf and out == outs[0]:
             peers.append(_serve_hf(hf, reqs, 64))
         for row in results + peers:
             print(f"{out} {row['variant']}: {row['throughput_tok_s']:.0f} tok/s ({row['wall_s']:.1f} s)", flush=True)
+        useful = sum(m for _, m in reqs)
         cfg = {
             "preset": preset,
             "requests": len(reqs),
             "max_running": 64,
-            "prompt_len": list(prompt_range),
+            "prompt_len": "lognormal, mean 161, 4 to cap" if out.startswith("sharegpt") else list(prompt_range),
+            "prompt_tokens": sum(len(p) for p, _ in reqs),
             "output_len": out,
-            "useful_tokens": sum(m for _, m in reqs),
+            "useful_tokens": useful,
             "throughput": "requested output tokens / wall time; static batching pads every batch to its longest",
+            "step_model": _step_model(peers[0], results, useful),
         }
+        print(f"{out} step model: {json.dumps(cfg['step_model'])}", flush=True)
         name = f"decode-serve-{out.split(':')[0]}" + ("" if smoke or requests == 128 else f"-q{requests}")
+        name += "" if preset in ("llama2-7b", "tiny") else f"-{preset}"
         records_out.append(
             records.make_record(
                 name,
@@ -599,6 +664,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="serve: skip the transformers static-batching peer")
     parser.add_argument("--admit", default="16", help="serve: explicit admission batches beside the default (8), "
                         "comma-separated; '' for none")
+    parser.add_argument("--preset", default="llama2-7b", help="serve: model shape (random weights)")
+    parser.add_argument("--outputs", default=",".join(SERVE_OUTPUTS),
+                        help="serve: workloads, comma-separated: uniform:LO-HI, lognormal:MEDIAN-MAX, sharegpt:CAP")
+    parser.add_argument("--no-variants", action="store_true",
+                        help="serve: only the default continuous engine against static batching")
     parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
@@ -610,7 +680,8 @@ def main(argv: list[str] | None = None) -> int:
         recs = family_decode(args.smoke, args.hf_compile, args.compile_budget)
     else:
         admits = tuple(int(a) for a in args.admit.split(",") if a.strip())
-        recs = family_serve(args.smoke, args.requests, not args.no_hf, admits)
+        outs = tuple(o.strip() for o in args.outputs.split(",") if o.strip())
+        recs = family_serve(args.smoke, args.requests, not args.no_hf, admits, args.preset, outs, not args.no_variants)
     for rec in recs:
         path = records.write_record(rec, results_dir)
         print(

@@ -2,7 +2,8 @@
 # Issue 8 on one GPU: the gpu-marked inference/paged-attention tests, then each decode benchmark family in its own
 # process with its own time limit (a family that fails or runs out of time does not stop the others), then
 # docs/results.md. Records and one log are copied into $OUT when it is set, also after a failure.
-#   bash benchmarks/run_decode_gpu.sh [families...]   (default: tests kernel decode serve; also: hf-compile, serve-queue)
+#   bash benchmarks/run_decode_gpu.sh [families...]   (default: tests kernel decode serve; also: hf-compile, serve-queue,
+#   serve-step-model, serve-gqa, serve-sharegpt)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -28,6 +29,9 @@ for f in "${families[@]}"; do
     decode) step 240 python3 benchmarks/bench_decode.py --family decode ;;
     serve) step 150 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
     serve-queue) step 420 python3 benchmarks/bench_decode.py --family serve --requests 1024 --no-hf ;;
+    serve-step-model) step 300 python3 benchmarks/bench_decode.py --family serve --requests 1024 --no-hf --no-variants --outputs lognormal:64-256 ;;
+    serve-gqa) step 300 python3 benchmarks/bench_decode.py --family serve --requests 1024 --no-hf --no-variants --preset llama3-8b --outputs lognormal:64-256 ;;
+    serve-sharegpt) step 560 python3 benchmarks/bench_decode.py --family serve --requests 1024 --no-hf --no-variants --preset llama3-8b --outputs sharegpt:1024 ;;
     hf-compile) step 200 python3 benchmarks/bench_decode.py --family decode --hf-compile --compile-budget 150 ;;
     *) echo "unknown family $f" | tee -a "$LOG"; status=1 ;;
   esac

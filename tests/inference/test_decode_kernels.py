@@ -7,6 +7,8 @@ mean, fused multiply-adds in RoPE) and fp32 results to a few ulps.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,7 +142,8 @@ def test_gemv_swiglu_rounds_like_the_separate_kernels(N, K, dtype, M, monkeypatc
     from lightning_llmopt.inference.gemv import gemv, gemv_swiglu
 
     for name in ("_gemv_configs", "_rows_configs"):
-        monkeypatch.setattr(gemv_module, name, lambda configs=getattr(gemv_module, name)(): configs[:1])
+        first = getattr(gemv_module, name)()[:1]
+        monkeypatch.setattr(gemv_module, name, functools.partial(list, first))
     monkeypatch.setattr(gemv_module, "_tuned_gemv", None)
     monkeypatch.setattr(gemv_module, "_tuned_rows", None)
 
