@@ -15,7 +15,6 @@ are never disturbed.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from lightning_llmopt.inference.config import EngineConfig
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, graph_sizes, step_logits
 from lightning_llmopt.inference.engine_outputs import EngineOutputs
 from lightning_llmopt.inference.inputs import Prompt, encode_prompt, prepare_batch, validate_prompt
-from lightning_llmopt.inference.kv_pool import KVPool, KVScales, block_bytes, blocks_from_free_memory
+from lightning_llmopt.inference.kv_pool import KVPool, KVScales, pool_blocks
 from lightning_llmopt.inference.multi_step import greedy_steps, steps_for
 from lightning_llmopt.inference.prefix_cache import RadixCache
 from lightning_llmopt.inference.quant import calibrate_kv_scales
@@ -84,7 +83,7 @@ class LLMEngine(EngineOutputs):
             cfg.n_layers,
             cfg.n_kv_heads,
             cfg.head_dim,
-            self._num_blocks(kv_dtype),
+            pool_blocks(cfg, config, self.max_model_len, self.device, kv_dtype),
             config.block_size,
             kv_dtype,
             self.device,
@@ -156,18 +155,6 @@ class LLMEngine(EngineOutputs):
         device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         model, found_tokenizer = load_model(path, dtype=dtype, device=device, trust_pickle=trust_pickle)
         return cls(model, tokenizer if tokenizer is not None else found_tokenizer, **engine_kwargs)
-
-    def _num_blocks(self, kv_dtype: torch.dtype) -> int:
-        cfg, c = self.model.config, self.config
-        assert cfg.n_kv_heads is not None and cfg.head_dim is not None
-        useful = 4 * c.max_num_seqs * math.ceil(self.max_model_len / c.block_size) + 1
-        if c.num_blocks is not None:
-            return c.num_blocks
-        if self.device.type != "cuda":
-            return min(useful, 4096)
-        per = block_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, c.block_size, kv_dtype)
-        fitting = blocks_from_free_memory(self.device, per, c.gpu_memory_fraction, int(c.reserve_gib * 2**30))
-        return min(fitting, useful)
 
     # ------------------------------------------------------------------ requests
     def _validate(self, prompt: Prompt, params: SamplingParams, truncate: bool) -> tuple[list[int], int]:

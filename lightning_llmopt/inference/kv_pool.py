@@ -14,12 +14,14 @@ int8 (``dtype=torch.int8``): each layer's keys and values are stored as ``round(
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["KVPool", "KVScales", "block_bytes", "blocks_from_free_memory"]
+__all__ = ["KVPool", "KVScales", "block_bytes", "blocks_from_free_memory", "pool_blocks"]
 
 
 @dataclass
@@ -65,6 +67,20 @@ def blocks_from_free_memory(device: torch.device, per_block: int, fraction: floa
             f"{per_block / 2**20:.1f} MiB (lower the reserve or free memory)"
         )
     return usable // per_block
+
+
+def pool_blocks(model_cfg: Any, config: Any, max_model_len: int, device: torch.device, kv_dtype: torch.dtype) -> int:
+    """The engine's pool size: ``config.num_blocks`` when set; else what fits in free GPU memory
+    (``gpu_memory_fraction`` of it, minus ``reserve_gib``), at most four full-length contexts per sequence slot (and
+    at most 4,096 blocks off the GPU)."""
+    useful = 4 * config.max_num_seqs * math.ceil(max_model_len / config.block_size) + 1
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if device.type != "cuda":
+        return min(useful, 4096)
+    per = block_bytes(model_cfg.n_layers, model_cfg.n_kv_heads, model_cfg.head_dim, config.block_size, kv_dtype)
+    fitting = blocks_from_free_memory(device, per, config.gpu_memory_fraction, int(config.reserve_gib * 2**30))
+    return min(fitting, useful)
 
 
 class KVPool:
