@@ -287,8 +287,13 @@ def write(
 ) -> Path:
     """Write the record so far (called after every family, so a run cut short keeps what it measured)."""
     from lightning_llmopt.kernels import quant_matmul_tune
+    from lightning_llmopt.kernels.pdl import pdl_enabled
 
+    # our kernels launch as programmatic dependents on Hopper (as in the engine's decode graphs): in a graph of
+    # back-to-back calls each may be scheduled while the one before drains; LLMOPT_PDL=0 gives the record without
+    pdl = torch.cuda.is_available() and pdl_enabled(torch.device("cuda"))
     notes = notes + [
+        f"programmatic dependent launch of our kernels: {'on' if pdl else 'off'} (cuBLAS launches without it)",
         "speedups are cuBLAS bf16 time / our time measured the same way in the same process; graph_us: per-call GPU "
         "time from CUDA-graph replays over distinct weight copies (no L2 reuse, no Python dispatch); eager_us: "
         "triton.testing.do_bench median (L2 flushed), includes the Python dispatch of each call",
@@ -304,9 +309,10 @@ def write(
         "copy_budget_mib": args.copy_budget_mib,
         "decode_model": LLAMA2_7B,
         "goals": goals,
+        "pdl": pdl,
     }
     record = records.make_record(
-        "quant-matmul",
+        "quant-matmul" if pdl or not torch.cuda.is_available() else "quant-matmul-nopdl",
         config=config,
         results=results,
         peers=peers,

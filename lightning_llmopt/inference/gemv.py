@@ -22,40 +22,19 @@ folding the norm to 5.46 ms; with PDL the engine ran 176-181 tokens/s against 17
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
+from lightning_llmopt.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_enabled  # noqa: F401
 
 ensure_interpreted_stdlib()
 
 __all__ = ["MAX_ROWS", "gemv", "gemv_cat", "gemv_swiglu", "norm_gemv_cat", "norm_gemv_swiglu", "pdl_enabled"]
 
 MAX_ROWS = 16  # input rows the GEMVs take (more than one: :func:`_gemv_rows_kernel`)
-
-try:  # grid dependency control (programmatic dependent launch, Hopper and later)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton
-    gdc_launch_dependents = gdc_wait = None
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Launch the GEMVs as programmatic dependents (``LLMOPT_PDL=0`` turns it off): each may be scheduled while the
-    kernel before it drains, and waits (``griddepcontrol.wait``) before its first read of an activation or any
-    write. Needs compute capability 9.0 or later and a compiled kernel (not the interpreter)."""
-    if gdc_wait is None or device.type != "cuda" or os.environ.get("LLMOPT_PDL", "1") == "0":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _HOPPER:
-        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _HOPPER[index]
-
-
-_HOPPER: dict[int, bool] = {}  # device index -> compute capability 9.0 or later
 
 
 @triton.jit

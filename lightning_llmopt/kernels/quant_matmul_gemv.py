@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
+from lightning_llmopt.kernels.pdl import gdc_launch_dependents, gdc_wait
 from lightning_llmopt.kernels.quant_matmul_tiles import _centered_f32, _split_fixup
 
 ensure_interpreted_stdlib()  # before the kernels below are decorated
@@ -152,9 +153,12 @@ def _qmv_words_kernel(
     stride_wn, stride_sn,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FIXUP: tl.constexpr,
     TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     # fmt: on
+    if PDL:  # a programmatic dependent (kernels.pdl): nothing is read or written before the wait
+        gdc_launch_dependents()
+        gdc_wait()
     # Layout: the word loads are left unvectorized (``stride_wn`` is not specialized, so no row is known to be
     # 16-byte aligned), which gives each thread whole words, one per row of its rows; the activations are loaded
     # as ``(BLOCK_W, CPW)`` rows of 8 or 16 contiguous bytes, which lands each word's activations in the thread

@@ -236,6 +236,50 @@ def test_split_k_fixup_repeated_and_in_cuda_graphs(kind: str, M: int) -> None:
         assert torch.equal(captured, expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, M, split", [("words", 1, 1), ("words", 1, 4), ("mma", 16, 1), ("mma_t", 5, 4)])
+def test_programmatic_dependent_chain_in_cuda_graph(monkeypatch: pytest.MonkeyPatch, kind: str, M: int, split: int):
+    """Each product reads the one before it (and a split-K fixup reuses one counter buffer): launched as programmatic
+    dependents inside a CUDA graph, the chain equals the same chain launched in order without PDL, bit for bit."""
+    from lightning_llmopt.kernels.pdl import pdl_enabled
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
+    from lightning_llmopt.quantization.packing import as_kernel_bytes
+
+    if not pdl_enabled(torch.device(DEVICE)):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and a Triton with gdc_wait")
+    n = k = 1024
+    layers = []
+    for i in range(6):
+        qw, scales, _ = _weights(n, k, 4, 128, True, seed=10 + i)
+        layers.append((as_kernel_bytes(qw, 4, k), (scales * 8 / k**0.5).to(torch.bfloat16)))
+    cfg = KernelConfig(kind, 16, 16 if kind == "words" else 64, 128 if kind != "words" else 256, split, 4, 3, True)
+    x0 = torch.randn(M, k, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for w, s in layers:
+            x = launch(x, w, s, None, 4, 128, cfg)
+        return x
+
+    monkeypatch.setenv("LLMOPT_PDL", "0")
+    expected = chain(x0)
+    monkeypatch.setenv("LLMOPT_PDL", "1")
+    eager = chain(x0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        chain(x0)
+        with torch.cuda.graph(graph, stream=stream):
+            captured = chain(x0)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.isfinite(expected).all() and expected.abs().max() > 0
+    assert torch.equal(eager, expected)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected)
+
+
 @pytest.mark.parametrize(
     "kind, center, bits, group, sym, M",
     [
