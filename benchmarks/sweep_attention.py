@@ -8,7 +8,8 @@ configuration, so differences between candidates are that pass's. The summary ra
 mean over shapes of their time over the best time at that shape; the autotuning lists in
 ``flash_attention_common`` are chosen from it. Not a record: it prints a table and writes JSON lines to ``--out``.
 
-Usage: ``python benchmarks/sweep_attention.py --head-dims 128 --seqs 1024,2048,4096,8192``
+Usage: ``python benchmarks/sweep_attention.py --head-dims 128 --seqs 1024,2048,4096,8192``; the ``1b`` training
+shape: ``--head-dims 64 --seqs 4096 --causal 1 --gqa 8 --batch 4 --narrow``
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ DQ = [
     (64, 32, 4, 3),
     (128, 64, 8, 2),
 ]
+# more candidates for head dims up to 64 (``--narrow``), where larger tiles fit in registers and shared memory
+NARROW = {
+    "fwd": [(128, 128, 4, 3), (128, 64, 4, 2), (128, 128, 8, 4), (256, 64, 8, 4), (256, 128, 8, 3), (64, 128, 4, 4)],
+    "dkdv": [(64, 128, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 8, 4), (32, 128, 4, 2),
+             (64, 256, 8, 3)],
+    "dq": [(128, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 32, 4, 2)],
+}
 
 
 def _bench(fn) -> float:  # type: ignore[no-untyped-def]
@@ -76,17 +84,21 @@ def _bench(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: int | None = None,
-                pack: str | None = None) -> list[dict]:
+                pack: str | None = None, gqa: int = 1, batch: int | None = None, narrow: bool = False,
+                splits: tuple[int, ...] = (1,)) -> list[dict]:
     """``pack``: ``"equal"`` or ``"random"`` times the packed 16-document layouts of bench_attention's varlen family
-    (16k tokens, ``S`` is then ignored and reported as 0) instead of ``B = 16k / S`` dense sequences."""
+    (16k tokens, ``S`` is then ignored and reported as 0) instead of ``B = 16k / S`` dense sequences. ``gqa``: query
+    heads per key/value head; ``batch``: sequences (default 16k / S); ``narrow``: add the ``NARROW`` candidates;
+    ``splits``: dK/dV programs per key/value head to time each dK/dV candidate with (``flash_bwd``'s ``split``)."""
     from lightning_llmopt.kernels.flash_attention_bwd import flash_bwd
     from lightning_llmopt.kernels.flash_attention_fwd import flash_fwd
 
-    B, H = TOKENS // S, HIDDEN // D
+    B, H = batch or TOKENS // S, HIDDEN // D
     g = torch.Generator(device="cuda").manual_seed(S + D)
     scale = 1.0 / math.sqrt(D)
     if pack is None:
-        q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        k, v = (torch.randn(B, S, H // gqa, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         geo = geometry(q, k, None, None)
         lengths = [S] * B
     else:
@@ -103,30 +115,37 @@ def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: i
         flops = sum(4 * H * L * min(window, L) * D for L in lengths)
     rows = []
     table = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
-    for name in passes:
-        for cand in table[name]:
-            if name == "fwd":
-                fn = lambda c=cand: flash_fwd(q, k, v, geo, causal, scale, window, as_config(c))  # noqa: E731
-                work = flops
-            else:
-                cfgs = {"dkdv": as_config(DKDV[0]), "dq": as_config(DQ[0]), name: as_config(cand)}
-                fn = lambda c=cfgs: flash_bwd(do, q, k, v, out, lse, geo, causal, scale, window, c)  # noqa: E731
-                work = 2.5 * flops
-            row = {"pass": name, "D": D, "S": S, "causal": causal, "window": window, "config": list(cand)}
-            if pack is not None:
-                row["pack"] = pack
-            try:
-                ms = _bench(fn)
-                row.update(ms=ms, tflops=work / ms / 1e9)
-            except Exception as e:  # out of shared memory or registers: a candidate, not a failure
-                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    if narrow:
+        table = {name: cands + [c for c in NARROW[name] if c not in cands] for name, cands in table.items()}
+    runs = [(n, c, sp) for n in passes for c in table[n] for sp in (splits if n == "dkdv" else (1,))]
+    for name, cand, split in runs:
+        if name == "fwd":
+            fn = lambda c=cand: flash_fwd(q, k, v, geo, causal, scale, window, as_config(c))  # noqa: E731
+            work = flops
+        else:
+            cfgs = {"dkdv": as_config(DKDV[0]), "dq": as_config(DQ[0]), name: as_config(cand)}
+            fn = lambda c=cfgs, sp=split: flash_bwd(do, q, k, v, out, lse, geo, causal, scale, window, c,  # noqa: E731
+                                                    split=sp)
+            work = 2.5 * flops
+        row = {"pass": name, "D": D, "S": S, "causal": causal, "window": window, "config": list(cand)}
+        if gqa != 1 or batch:
+            row.update(gqa=gqa, batch=B)
+        if len(splits) > 1 and name == "dkdv":
+            row["config"] = [*cand, split]
+        if pack is not None:
+            row["pack"] = pack
+        try:
+            ms = _bench(fn)
+            row.update(ms=ms, tflops=work / ms / 1e9)
+        except Exception as e:  # out of shared memory or registers: a candidate, not a failure
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
 def _shape(r: dict) -> tuple:
-    return r["D"], r["S"], r["causal"], r.get("window") or 0, r.get("pack") or ""
+    return r["D"], r["S"], r["causal"], r.get("window") or 0, r.get("pack") or "", r.get("gqa", 1), r.get("batch", 0)
 
 
 def summarize(rows: list[dict]) -> str:
@@ -140,7 +159,8 @@ def summarize(rows: list[dict]) -> str:
         lines.append(f"== {name}: per shape best (config, TF/s)")
         for s in shapes:
             r = min((r for r in mine if _shape(r) == s), key=lambda r: r["ms"])
-            lines.append(f"  D={s[0]} S={s[1]} causal={s[2]} window={s[3]} pack={s[4] or '-'}: {tuple(r['config'])} "
+            lines.append(f"  D={s[0]} S={s[1]} causal={s[2]} window={s[3]} pack={s[4] or '-'} gqa={s[5]} "
+                         f"B={s[6] or '-'}: {tuple(r['config'])} "
                          f"{r['tflops']:.0f}")
         lines.append(f"== {name}: candidates by geometric mean of time/best over {len(shapes)} shapes")
         ranked = []
@@ -162,6 +182,10 @@ def main() -> int:
     p.add_argument("--windows", default=None, help="comma-separated sliding windows (causal shapes only)")
     p.add_argument("--packs", default=None, help="comma-separated packed layouts (equal, random) instead of --seqs")
     p.add_argument("--out", default=None, help="JSON-lines file for every timing")
+    p.add_argument("--gqa", type=int, default=1, help="query heads per key/value head (dense shapes)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per shape (default 16k / S)")
+    p.add_argument("--narrow", action="store_true", help="add the NARROW candidates (head dims up to 64)")
+    p.add_argument("--splits", default="1", help="comma-separated dK/dV programs per key/value head (GQA)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -177,7 +201,9 @@ def main() -> int:
             for causal in (bool(int(x)) for x in args.causal.split(",")):
                 for window in [int(w) for w in args.windows.split(",")] if args.windows else [None]:
                     if window is None or causal:
-                        rows += sweep_shape(D, S, causal, tuple(args.passes.split(",")), window)
+                        rows += sweep_shape(D, S, causal, tuple(args.passes.split(",")), window, gqa=args.gqa,
+                                            batch=args.batch, narrow=args.narrow,
+                                            splits=tuple(int(x) for x in args.splits.split(",")))
     if args.out:
         Path(args.out).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     print(summarize(rows))

@@ -82,6 +82,30 @@ def test_dense_matches_float64_reference(B, S_q, S_k, H, H_kv, D, causal, window
     _check(q, k, v, do, causal=causal, window=window)
 
 
+@pytest.mark.parametrize("split, packed", [(2, False), (4, False), (2, True)])
+def test_gqa_split_backward_matches_reference(monkeypatch, split, packed):
+    """dK/dV programs that each sum part of a query group, reduced after the launch, give the same gradients."""
+    from lightning_llmopt.kernels import flash_attention_bwd
+
+    monkeypatch.setattr(flash_attention_bwd, "gqa_split", lambda *args: split)
+    if packed:
+        cu = torch.tensor([0, 17, 30, 143], device=DEVICE)
+        q, k, v, do = _inputs((143, 4, 32), (143, 2, 32), torch.float16, seed=11)
+        _check(q, k, v, do, causal=True, cu_seqlens=cu)
+    else:
+        q, k, v, do = _inputs((2, 40, 4, 32), (2, 40, 1, 32), torch.float32, seed=12)
+        _check(q, k, v, do, causal=True)
+
+
+def test_gqa_split_must_divide_the_group(monkeypatch):
+    from lightning_llmopt.kernels import flash_attention_bwd
+
+    monkeypatch.setattr(flash_attention_bwd, "gqa_split", lambda *args: 3)
+    q, k, v, do = _inputs((1, 17, 4, 16), (1, 17, 1, 16), torch.float32, seed=13)
+    with pytest.raises(ValueError, match="split=3 must divide the GQA group of 4"):
+        _grads(lambda a, b, c: flash_attention(a, b, c, causal=True, backend="triton"), q, k, v, do)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 def test_length_255(causal):
