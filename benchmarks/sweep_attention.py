@@ -85,11 +85,12 @@ def _bench(fn) -> float:  # type: ignore[no-untyped-def]
 
 def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: int | None = None,
                 pack: str | None = None, gqa: int = 1, batch: int | None = None, narrow: bool = False,
-                splits: tuple[int, ...] = (1,)) -> list[dict]:
+                splits: tuple[int, ...] = (1,), only: dict[str, list] | None = None) -> list[dict]:
     """``pack``: ``"equal"`` or ``"random"`` times the packed 16-document layouts of bench_attention's varlen family
     (16k tokens, ``S`` is then ignored and reported as 0) instead of ``B = 16k / S`` dense sequences. ``gqa``: query
     heads per key/value head; ``batch``: sequences (default 16k / S); ``narrow``: add the ``NARROW`` candidates;
-    ``splits``: dK/dV programs per key/value head to time each dK/dV candidate with (``flash_bwd``'s ``split``)."""
+    ``splits``: dK/dV programs per key/value head to time each dK/dV candidate with (``flash_bwd``'s ``split``);
+    ``only``: pass name -> the candidates to time instead of its list."""
     from lightning_llmopt.kernels.flash_attention_bwd import flash_bwd
     from lightning_llmopt.kernels.flash_attention_fwd import flash_fwd
 
@@ -106,7 +107,8 @@ def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: i
 
         lengths = varlen_lengths(pack)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-        q, k, v, do = (torch.randn(TOKENS, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        q, do = (torch.randn(TOKENS, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        k, v = (torch.randn(TOKENS, H // gqa, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         geo = geometry(q, k, cu, max(lengths))
         S = 0
     out, lse = flash_fwd(q, k, v, geo, causal, scale, window, as_config(FWD[0]))
@@ -117,6 +119,7 @@ def sweep_shape(D: int, S: int, causal: bool, passes: tuple[str, ...], window: i
     table = {"fwd": FWD, "dkdv": DKDV, "dq": DQ}
     if narrow:
         table = {name: cands + [c for c in NARROW[name] if c not in cands] for name, cands in table.items()}
+    table.update(only or {})
     runs = [(n, c, sp) for n in passes for c in table[n] for sp in (splits if n == "dkdv" else (1,))]
     for name, cand, split in runs:
         if name == "fwd":
@@ -186,15 +189,23 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=None, help="sequences per shape (default 16k / S)")
     p.add_argument("--narrow", action="store_true", help="add the NARROW candidates (head dims up to 64)")
     p.add_argument("--splits", default="1", help="comma-separated dK/dV programs per key/value head (GQA)")
+    p.add_argument("--only", default=None,
+                   help='candidates instead of the lists, e.g. "dkdv=32,128,4,3;64,64,4,3" (several passes: "|")')
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     rows = []
+    splits = tuple(int(x) for x in args.splits.split(","))
+    only = {}
+    for spec in args.only.split("|") if args.only else []:
+        name, cands = spec.split("=")
+        only[name] = [tuple(int(x) for x in c.split(",")) for c in cands.split(";")]
     if args.packs:
         for D in (int(x) for x in args.head_dims.split(",")):
             for pack in args.packs.split(","):
-                rows += sweep_shape(D, TOKENS, True, tuple(args.passes.split(",")), pack=pack)
+                rows += sweep_shape(D, TOKENS, True, tuple(args.passes.split(",")), pack=pack, gqa=args.gqa,
+                                    narrow=args.narrow, splits=splits, only=only)
         args.seqs = ""
     for D in (int(x) for x in args.head_dims.split(",")):
         for S in (int(x) for x in args.seqs.split(",") if x):
@@ -202,8 +213,7 @@ def main() -> int:
                 for window in [int(w) for w in args.windows.split(",")] if args.windows else [None]:
                     if window is None or causal:
                         rows += sweep_shape(D, S, causal, tuple(args.passes.split(",")), window, gqa=args.gqa,
-                                            batch=args.batch, narrow=args.narrow,
-                                            splits=tuple(int(x) for x in args.splits.split(",")))
+                                            batch=args.batch, narrow=args.narrow, splits=splits, only=only)
     if args.out:
         Path(args.out).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     print(summarize(rows))
