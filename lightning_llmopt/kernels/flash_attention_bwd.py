@@ -10,7 +10,9 @@ The attention matrix is recomputed from ``q``, ``k`` and the saved log-sum-exp, 
 2. dK/dV pass: one program per (key tile, key/value head). It loops over the query heads of its GQA group and over
    the query tiles that can see its keys (causal: from the diagonal on; window: up to ``window`` past the tile),
    with ``p^T = exp2(k q^T * scale*log2 e - lse*log2 e)``, ``dV += p^T dO``, ``dS^T = p^T (v dO^T - delta)``,
-   ``dK += dS^T q``. The sum over the query group happens in registers: no atomics, no repeated K/V.
+   ``dK += dS^T q``. The sum over the query group happens in registers: no atomics, no repeated K/V. For causal
+   attention with 4 or more query heads per key/value head, up to 4 programs share a key/value head, each over
+   part of the group, and their slots are summed after the launch (:func:`gqa_split`).
 
 Both passes split their loops into masked tiles (window edge, causal diagonal) and tiles every pair of which is
 visible (no mask arithmetic), and skip invisible tiles. A query row without visible keys has ``lse = -inf``; it is

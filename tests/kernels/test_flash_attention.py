@@ -97,6 +97,20 @@ def test_gqa_split_backward_matches_reference(monkeypatch, split, packed):
         _check(q, k, v, do, causal=True)
 
 
+@pytest.mark.parametrize(
+    "H, H_kv, causal, window, split",
+    [(32, 4, True, None, 4), (24, 4, True, None, 3), (16, 4, True, None, 4), (8, 4, True, None, 1),
+     (32, 4, False, None, 1), (32, 4, True, 256, 1)],
+)
+def test_gqa_split_rule(H, H_kv, causal, window, split):
+    """Causal attention with 4+ query heads per key/value head splits (largest divisor up to 4), the rest not."""
+    from lightning_llmopt.kernels.flash_attention_bwd import gqa_split
+    from lightning_llmopt.kernels.flash_attention_common import geometry
+
+    q, k = torch.empty(1, 8, H, 64), torch.empty(1, 8, H_kv, 64)
+    assert gqa_split(geometry(q, k, None, None), causal, window) == split
+
+
 def test_gqa_split_must_divide_the_group(monkeypatch):
     from lightning_llmopt.kernels import flash_attention_bwd
 
