@@ -4,19 +4,20 @@ The attention matrix is recomputed from ``q``, ``k`` and the saved log-sum-exp, 
 
 1. dQ pass: one program per (query tile, query head), over the same key tiles as the forward, ``dQ += dS k``. It
    first computes its tile's ``delta = rowsum(dO * O)`` (fp32, the softmax-Jacobian term ``D_i`` of the paper)
-   from the ``dO`` tile it holds anyway, and writes it out for the next pass. (A separate delta kernel, which
-   read all of ``O`` and ``dO`` once more, cost 49 of 1004 us of a packed 16 x 1k-token forward + backward on an
-   H100; folded in here, the dQ pass grew by 18 us.)
+   from the ``dO`` tile it holds anyway, and writes it out for the next pass (a separate delta kernel cost 49 of
+   1004 us of a packed 16 x 1k-token forward + backward on an H100; folded in here, 18 us), with ``lse2``, the
+   log-sum-exp in log2 units.
 2. dK/dV pass: one program per (key tile, key/value head). It loops over the query heads of its GQA group and over
    the query tiles that can see its keys (causal: from the diagonal on; window: up to ``window`` past the tile),
-   with ``p^T = exp2(k q^T * scale*log2 e - lse*log2 e)``, ``dV += p^T dO``, ``dS^T = p^T (v dO^T - delta)``,
+   with ``p^T = exp2(k q^T * scale*log2 e - lse2)``, ``dV += p^T dO``, ``dS^T = p^T (v dO^T - delta)``,
    ``dK += dS^T q``. The sum over the query group happens in registers: no atomics, no repeated K/V. For causal
    attention with 4 or more query heads per key/value head, up to 4 programs share a key/value head, each over
-   part of the group, and their slots are summed after the launch (:func:`gqa_split`).
+   part of the group, and their slots are summed after the launch (:func:`gqa_split`). On Hopper, 16-bit inputs
+   at head dim 64 or 128 take the Gluon version of this pass (:mod:`flash_attention_bwd_wgmma`).
 
 Both passes split their loops into masked tiles (window edge, causal diagonal) and tiles every pair of which is
-visible (no mask arithmetic), and skip invisible tiles. A query row without visible keys has ``lse = -inf``; it is
-read as ``+inf`` so that its probabilities are 0 (no NaN). Padded rows/keys load zeros with ``lse = +inf``.
+visible (no mask arithmetic), and skip invisible tiles. A query row without visible keys has ``lse = -inf``;
+``lse2`` holds ``+inf`` there so that its probabilities are 0 (no NaN). Padded rows/keys load zeros, ``lse2 = +inf``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels.flash_attention_bwd_wgmma import launch_dkdv, wgmma_supported
 from lightning_llmopt.kernels.flash_attention_common import (
     LOG2E,
     TUNE_KEY,
@@ -39,6 +41,7 @@ from lightning_llmopt.kernels.flash_attention_common import (
     use_interpreter_config,
 )
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
+from lightning_llmopt.kernels.flash_attention_tiles import dkdv_query_range
 
 ensure_interpreted_stdlib()  # before the kernels below are decorated
 
@@ -77,7 +80,6 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
         else:
             q_t = tl.load(q_ptrs, mask=row_ok[None, :] & (offs_d[:, None] < HEAD_D), other=0.0)
             lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
         qk_t = _dot(k, q_t, IEEE) * qk_scale  # (N, M), log2 units
         p_t = tl.math.exp2(qk_t - lse[None, :])
         if MASKED:
@@ -103,7 +105,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
 
 @triton.jit
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, CU_SEQLENS,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -143,22 +145,8 @@ def _flash_bwd_dkdv_kernel(
     v = tl.load(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + (tok0_64 + offs_n[:, None]) * stride_vs
                 + offs_d[None, :], mask=kv_mask, other=0.0)
 
-    # Query tiles that see some key of this tile, and the band of them that sees all of its keys.
-    lo = 0
-    hi = seq_q
-    full_lo = 0
-    full_hi = (seq_q // BLOCK_M) * BLOCK_M  # a ragged last query tile goes to the masked loop
-    if IS_CAUSAL:
-        lo = tl.maximum(0, start_n - q_off)
-        lo = (lo // BLOCK_M) * BLOCK_M
-        full_lo = tl.maximum(0, start_n + BLOCK_N - 1 - q_off)
-        full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
-    if HAS_WINDOW:
-        hi = tl.minimum(seq_q, start_n + BLOCK_N - 1 + WINDOW - q_off)
-        full_hi = tl.minimum(full_hi, (tl.maximum(0, start_n + WINDOW - q_off) // BLOCK_M) * BLOCK_M)
-    hi = tl.maximum(hi, 0)
-    full_lo = tl.maximum(full_lo, lo)
-    full_hi = tl.minimum(full_hi, (hi // BLOCK_M) * BLOCK_M)
+    lo, hi, full_lo, full_hi = dkdv_query_range(start_n, seq_q, q_off, WINDOW, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                HAS_WINDOW)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -166,7 +154,7 @@ def _flash_bwd_dkdv_kernel(
         h = h_kv * group + g
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + tok0_64 * stride_qs
         do_base = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + tok0_64 * stride_ds
-        lse_base = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok0
+        lse_base = LSE2 + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok0
         delta_base = DELTA + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + tok0
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n,
                              offs_d, q_off, seq_q, lo, tl.minimum(full_lo, hi), qk_scale, WINDOW, HEAD_D, BLOCK_M,
@@ -220,7 +208,7 @@ def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_
 
 @triton.jit
 def _flash_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, CU_SEQLENS,  # noqa: E741
+    Q, K, V, O, DO, LSE, DELTA, LSE2, DQ, CU_SEQLENS,  # noqa: E741
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -264,6 +252,7 @@ def _flash_bwd_dq_kernel(
     tl.store(DELTA + lse_off, delta, mask=row_ok)
     lse = tl.load(LSE + lse_off, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    tl.store(LSE2 + lse_off, lse, mask=row_ok)  # in log2 units, +inf for rows without keys: the dK/dV pass reads it
     k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh + tok0_64 * stride_ks
     v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + tok0_64 * stride_vs
 
@@ -317,18 +306,25 @@ _CHOSEN = {name: ChosenConfigs(lambda name=name: _tuned_kernel(name)) for name i
 
 def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, geo: Geometry, causal: bool,
               scale: float, window: int | None, configs: dict[str, LaunchConfig] | None = None,
-              split: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              split: int | None = None, dkdv_impl: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` shaped like ``(q, k, v)``, in their dtypes (fp32 accumulation inside).
 
     ``configs`` maps ``"dkdv"`` / ``"dq"`` to a launch configuration that bypasses that pass's autotuning (for
     benchmarks/sweep_attention.py); a pass not named is autotuned. ``split`` (a divisor of the GQA group; default
     :func:`gqa_split`): dK/dV programs per key/value head, each summing its share of the query heads into a slot of
-    a ``split``-times larger buffer that is then reduced over the slots.
+    a ``split``-times larger buffer that is then reduced over the slots. ``dkdv_impl``: ``"wgmma"`` (the Gluon pass of
+    :mod:`flash_attention_bwd_wgmma`, Hopper only) or ``"triton"``; by default the Gluon pass where it applies.
     """
     if do.stride(-1) != 1:
         do = do.contiguous()
     kv_heads = geo.num_heads // geo.group
-    split = gqa_split(geo, causal, window) if split is None else split
+    gluon = not use_interpreter_config(q) and wgmma_supported(q, geo.head_dim, geo.block_d)
+    dkdv_impl = dkdv_impl or ("wgmma" if gluon else "triton")
+    if dkdv_impl not in ("wgmma", "triton") or (dkdv_impl == "wgmma" and not gluon):
+        raise ValueError(f"dkdv_impl={dkdv_impl!r}: 'triton', or 'wgmma' for 16-bit head dim 64/128 on sm_90")
+    if split is None:  # the Gluon pass's 64-key tiles make twice the programs: it splits at most in two
+        split = gqa_split(geo, causal, window)
+        split = min(split, 2) if dkdv_impl == "wgmma" and split % 2 == 0 else split
     if split < 1 or geo.group % split:
         raise ValueError(f"split={split} must divide the GQA group of {geo.group} query heads per key/value head")
     dq = torch.empty_like(q)
@@ -336,7 +332,7 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
         dk, dv = torch.empty_like(k), torch.empty_like(v)
     else:  # one slot per program: head h_kv * split + part
         dk, dv = (t.new_empty((*t.shape[:-2], kv_heads * split, t.shape[-1])) for t in (k, v))
-    delta = torch.empty_like(lse)
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     cu = geo.cu_seqlens if geo.cu_seqlens is not None else q
     varlen = geo.cu_seqlens is not None
     bh = geo.batch * geo.num_heads
@@ -344,23 +340,25 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                   IS_VARLEN=varlen, IEEE=q.dtype == torch.float32)
     common = (geo.seq_q, geo.seq_k)
     tail = (scale * LOG2E, scale, window if window is not None else 0, *geo.tuning(window))
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu, *geo.strides(q), *geo.strides(k), *geo.strides(v),
+    dkdv_args = (q, k, v, do, lse2, delta, dk, dv, cu, *geo.strides(q), *geo.strides(k), *geo.strides(v),
                  *geo.strides(do), *geo.strides(dk), *geo.strides(dv), *geo.lse_strides(lse), *common, kv_heads,
                  geo.group, split, *tail)
-    dq_args = (q, k, v, out, do, lse, delta, dq, cu, *geo.strides(q), *geo.strides(k), *geo.strides(v),
+    dq_args = (q, k, v, out, do, lse, delta, lse2, dq, cu, *geo.strides(q), *geo.strides(k), *geo.strides(v),
                *geo.strides(out), *geo.strides(do), *geo.strides(dq), *geo.lse_strides(lse), *common, geo.num_heads,
                geo.group, *tail)
     configs = dict(configs or {})
     if use_interpreter_config(q):
         blocks = {"BLOCK_M": interpreter_block(geo.max_q), "BLOCK_N": interpreter_block(geo.max_k)}
         configs = {"dkdv": (blocks, 4, 1), "dq": (blocks, 4, 1), **configs}
-    passes = (  # the dQ pass writes delta, which the dK/dV pass reads
+    passes = (  # the dQ pass writes delta and lse2, which the dK/dV pass reads
         ("dq", _flash_bwd_dq_kernel, dq_args, lambda m: (triton.cdiv(geo.max_q, m["BLOCK_M"]), bh)),
         ("dkdv", _flash_bwd_dkdv_kernel, dkdv_args, lambda m: (triton.cdiv(geo.max_k, m["BLOCK_N"]),
                                                                geo.batch * kv_heads * split)),
     )
     for name, kernel, args, grid in passes:
-        if name in configs:
+        if name == "dkdv" and dkdv_impl == "wgmma":
+            launch_dkdv(args, consts, grid, tune_key(geo, consts, q.dtype, window), configs.get(name))
+        elif name in configs:
             blocks, warps, stages = configs[name]
             kernel[grid(blocks)](*args, **blocks, num_warps=warps, num_stages=stages, **consts)
         else:
@@ -377,17 +375,10 @@ def gqa_split(geo: Geometry, causal: bool, window: int | None) -> int:
 
     Why: with causal masking the first key tiles see every query tile and the last ones almost none, and a program
     over the whole group runs ``group`` times longer, leaving fewer, longer programs to balance across the SMs.
-    Measured on an H100 with benchmarks/sweep_attention.py ``--splits`` (B = 4, S = 4096, each split at its best
-    dK/dV configuration, the whole backward including the slot reduction; 2026-11-26):
-
-    - head dim 64, 32 query heads over 4 (the ``1b`` preset): 2.57 ms with one program per key/value head, 2.30 ms
-      with 4, 2.31 ms with 8;
-    - head dim 64, 4:1: 2.43 / 2.36 / 2.29 ms with 1 / 2 / 4; head dim 128, 16 heads over 4: 2.22 / 2.18 / 2.15 ms;
-    - 16 packed documents in 16k tokens, head dim 64, 8:1 (``--packs``; three dK/dV configurations each): 0.914 /
-      0.911 / 0.882 ms with 1 / 2 / 4 for 1024-token documents, 1.707 / 1.580 / 1.483 ms for random lengths;
-    - without the causal mask (head dim 64, 4:1) splitting costs time: 3.78 / 3.88 / 3.92 ms.
-
-    Sliding windows and groups below 4 were not measured and keep one program.
+    On an H100 (B = 4, S = 4096, benchmarks/sweep_attention.py ``--splits``, 2026-11-26) the whole backward at the
+    ``1b`` preset's hd64 32-over-4 heads took 2.57 ms with one program per key/value head and 2.30 ms with 4;
+    without the causal mask splitting cost time (hd64 4:1: 3.78 / 3.88 / 3.92 ms with 1 / 2 / 4). The other shapes
+    measured are in docs/flash_attention.md. Sliding windows and groups below 4 keep one program.
     """
     if not causal or window is not None or geo.group < 4:
         return 1
