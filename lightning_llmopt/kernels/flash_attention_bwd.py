@@ -41,7 +41,6 @@ from lightning_llmopt.kernels.flash_attention_common import (
     use_interpreter_config,
 )
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
-from lightning_llmopt.kernels.flash_attention_tiles import dkdv_query_range
 
 ensure_interpreted_stdlib()  # before the kernels below are decorated
 
@@ -145,8 +144,22 @@ def _flash_bwd_dkdv_kernel(
     v = tl.load(V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh + (tok0_64 + offs_n[:, None]) * stride_vs
                 + offs_d[None, :], mask=kv_mask, other=0.0)
 
-    lo, hi, full_lo, full_hi = dkdv_query_range(start_n, seq_q, q_off, WINDOW, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                                HAS_WINDOW)
+    # Query tiles that see some key of this tile, and the band of them that sees all of its keys.
+    lo = 0
+    hi = seq_q
+    full_lo = 0
+    full_hi = (seq_q // BLOCK_M) * BLOCK_M  # a ragged last query tile goes to the masked loop
+    if IS_CAUSAL:
+        lo = tl.maximum(0, start_n - q_off)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = tl.maximum(0, start_n + BLOCK_N - 1 - q_off)
+        full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:
+        hi = tl.minimum(seq_q, start_n + BLOCK_N - 1 + WINDOW - q_off)
+        full_hi = tl.minimum(full_hi, (tl.maximum(0, start_n + WINDOW - q_off) // BLOCK_M) * BLOCK_M)
+    hi = tl.maximum(hi, 0)
+    full_lo = tl.maximum(full_lo, lo)
+    full_hi = tl.minimum(full_hi, (hi // BLOCK_M) * BLOCK_M)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)

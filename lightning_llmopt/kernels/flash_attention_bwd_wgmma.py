@@ -36,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from lightning_llmopt.kernels.flash_attention_common import TUNE_KEY, ChosenConfigs, LaunchConfig, as_launch_config
-from lightning_llmopt.kernels.flash_attention_tiles import dkdv_query_range
 
 # a CTA-wide barrier: ``thread_barrier`` up to Triton 3.6, ``barrier`` in later releases
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -83,6 +82,28 @@ def _kv_tile(X, b, h_kv, tok0_64, start_n, seq_k, stride_b, stride_s, stride_h, 
     ptrs = X + b.to(gl.int64) * stride_b + h_kv.to(gl.int64) * stride_h + (tok0_64 + offs_n[:, None]) * stride_s
     x = gl.load(ptrs + offs_d[None, :], mask=(offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_D), other=0.0)
     return gl.allocate_shared_memory(X.dtype.element_ty, [BLOCK_N, HEAD_D], SMEM, x)
+
+
+@gluon.jit
+def _query_range(start_n, seq_q, q_off, WINDOW, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    """Query tiles ``[lo, hi)`` that see some key of the tile at ``start_n``, and ``[full_lo, full_hi)``, the tiles
+    every pair of which is visible (no mask). The Triton pass computes the same inline: a Gluon kernel cannot call a
+    ``triton.jit`` helper in a process where ``TRITON_INTERPRET=1`` turned it into an interpreted function."""
+    lo = 0
+    hi = seq_q
+    full_lo = 0
+    full_hi = (seq_q // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        lo = gl.maximum(0, start_n - q_off)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = gl.maximum(0, start_n + BLOCK_N - 1 - q_off)
+        full_lo = gl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:
+        hi = gl.minimum(seq_q, start_n + BLOCK_N - 1 + WINDOW - q_off)
+        full_hi = gl.minimum(full_hi, (gl.maximum(0, start_n + WINDOW - q_off) // BLOCK_M) * BLOCK_M)
+    hi = gl.maximum(hi, 0)
+    return lo, hi, gl.maximum(full_lo, lo), full_hi
 
 
 @gluon.jit
@@ -134,8 +155,8 @@ def _dkdv_wgmma_kernel(
                           LOAD, SMEM)
         v_smem = _kv_tile(V, b, h_kv, tok0_64, start_n, seq_k, stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_D,
                           LOAD, SMEM)
-        lo, hi, full_lo, full_hi = dkdv_query_range(start_n, seq_q, q_off, WINDOW, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                                    HAS_WINDOW)
+        lo, hi, full_lo, full_hi = _query_range(start_n, seq_q, q_off, WINDOW, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                HAS_WINDOW)
         n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_M), 0)
         total = per_part * n_tiles
         h_first = h_kv * group + part * per_part

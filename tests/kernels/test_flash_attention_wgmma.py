@@ -30,7 +30,10 @@ def _compile_for_hopper(consts: dict, num_warps: int):  # type: ignore[no-untype
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = wgmma._dkdv_wgmma_kernel
+    return _compile(wgmma._dkdv_wgmma_kernel, consts, num_warps, GPUTarget, GluonASTSource)
+
+
+def _compile(kernel, consts: dict, num_warps: int, GPUTarget, GluonASTSource):  # type: ignore[no-untyped-def]
     names = list(inspect.signature(kernel.fn).parameters)
     sig = {}
     for name in names:
