@@ -335,9 +335,9 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     dkdv_impl = dkdv_impl or ("wgmma" if gluon else "triton")
     if dkdv_impl not in ("wgmma", "triton") or (dkdv_impl == "wgmma" and not gluon):
         raise ValueError(f"dkdv_impl={dkdv_impl!r}: 'triton', or 'wgmma' for 16-bit head dim 64/128 on sm_90")
-    if split is None:  # the Gluon pass's 64-key tiles make twice the programs: it splits at most in two
+    if split is None:  # the Gluon pass's 64-key tiles make twice the programs: a 4-way split becomes 2-way
         split = gqa_split(geo, causal, window)
-        split = min(split, 2) if dkdv_impl == "wgmma" and split % 2 == 0 else split
+        split = 2 if dkdv_impl == "wgmma" and split == 4 else split
     if split < 1 or geo.group % split:
         raise ValueError(f"split={split} must divide the GQA group of {geo.group} query heads per key/value head")
     dq = torch.empty_like(q)
