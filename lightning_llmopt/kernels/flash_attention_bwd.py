@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lightning_llmopt.kernels.flash_attention_bwd_wgmma import launch_dkdv, wgmma_supported
 from lightning_llmopt.kernels.flash_attention_common import (
+    DKDV_TUNE_KEY,
     LOG2E,
     TUNE_KEY,
     ChosenConfigs,
@@ -308,7 +309,7 @@ def _tuned_kernel(name: str):  # type: ignore[no-untyped-def]
         table = launch_configs(name)
         _tuned[name] = triton.autotune(
             configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in table],
-            key=TUNE_KEY,
+            key=DKDV_TUNE_KEY if name == "dkdv" else TUNE_KEY,
             prune_configs_by={"early_config_prune": prune_for_head_dim(name)},
         )(kernel)
     return _tuned[name]
@@ -369,13 +370,14 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                                                                geo.batch * kv_heads * split)),
     )
     for name, kernel, args, grid in passes:
+        key = tune_key(geo, consts, q.dtype, window) + ((geo.group, split) if name == "dkdv" else ())
         if name == "dkdv" and dkdv_impl == "wgmma":
-            launch_dkdv(args, consts, grid, tune_key(geo, consts, q.dtype, window), configs.get(name))
+            launch_dkdv(args, consts, grid, key, configs.get(name))
         elif name in configs:
             blocks, warps, stages = configs[name]
             kernel[grid(blocks)](*args, **blocks, num_warps=warps, num_stages=stages, **consts)
         else:
-            _CHOSEN[name].launch(tune_key(geo, consts, q.dtype, window), grid, args, consts)
+            _CHOSEN[name].launch(key, grid, args, consts)
     if split > 1:  # sum the slots (fp32 accumulation, one rounding to the gradient's dtype)
         dk, dv = (t.unflatten(-2, (kv_heads, split)).sum(-2) for t in (dk, dv))
     return dq, dk, dv

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from lightning_llmopt.kernels.flash_attention_common import TUNE_KEY, ChosenConfigs, LaunchConfig, as_launch_config
+from lightning_llmopt.kernels.flash_attention_common import DKDV_TUNE_KEY, ChosenConfigs, LaunchConfig, as_launch_config
 
 # a CTA-wide barrier: ``thread_barrier`` up to Triton 3.6, ``barrier`` in later releases
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -259,8 +259,8 @@ def _make_tuner():  # type: ignore[no-untyped-def]
         every = {t for rows in _CONFIGS.values() for t in rows}
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "STAGES": s}, num_warps=w, num_stages=1)
                    for m, n, w, s in sorted(every)]
-        _tuner.append(triton.autotune(configs=configs, key=TUNE_KEY, prune_configs_by={"early_config_prune": _prune})(
-            _dkdv_wgmma_kernel))
+        tune = triton.autotune(configs=configs, key=DKDV_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})
+        _tuner.append(tune(_dkdv_wgmma_kernel))
     return _tuner[0]
 
 

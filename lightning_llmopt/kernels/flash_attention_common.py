@@ -98,6 +98,9 @@ def geometry(q: Tensor, k: Tensor, cu_seqlens: Tensor | None, max_seqlen: int | 
 
 
 TUNE_KEY = ["tune_q", "tune_k", "HEAD_D", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"]
+# The dK/dV pass also keys on the GQA group and the split: a program's work grows with the query heads it sums, so
+# one process training models of different groups must not reuse the first model's launch.
+DKDV_TUNE_KEY = [*TUNE_KEY, "group", "split"]
 
 
 def tune_bucket(n: int) -> int:

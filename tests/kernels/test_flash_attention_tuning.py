@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_llmopt.kernels import flash_attention_bwd, flash_attention_fwd
-from lightning_llmopt.kernels.flash_attention_common import TUNE_KEY, Geometry, tune_bucket
+from lightning_llmopt.kernels.flash_attention_common import DKDV_TUNE_KEY, TUNE_KEY, Geometry, tune_bucket
 
 
 def test_tune_bucket_rounds_up_to_powers_of_two_from_16() -> None:
@@ -22,15 +22,20 @@ def test_geometry_tune_args_bucket_both_lengths() -> None:
 def test_autotuners_key_on_buckets_not_exact_lengths() -> None:
     """Exact lengths in the key re-ran the search for every new longest sequence (an engine's verify steps took
     a median 18 ms against 1.4 ms for a plain decode step, H100, 2026-11-22)."""
+    from lightning_llmopt.kernels import flash_attention_bwd_wgmma
+
     tuners = [
-        flash_attention_fwd._tuned_fwd_kernel(),
-        flash_attention_bwd._tuned_kernel("dkdv"),
-        flash_attention_bwd._tuned_kernel("dq"),
+        (flash_attention_fwd._tuned_fwd_kernel(), TUNE_KEY),
+        (flash_attention_bwd._tuned_kernel("dkdv"), DKDV_TUNE_KEY),
+        (flash_attention_bwd_wgmma._make_tuner(), DKDV_TUNE_KEY),
+        (flash_attention_bwd._tuned_kernel("dq"), TUNE_KEY),
     ]
-    for tuner in tuners:
-        assert list(tuner.keys) == TUNE_KEY
+    for tuner, keys in tuners:
+        assert list(tuner.keys) == keys
         assert "seq_q" not in tuner.keys and "seq_k" not in tuner.keys
-        assert {"tune_q", "tune_k"} <= set(tuner.arg_names)
+        assert set(keys) <= set(tuner.arg_names)
+    # the dK/dV passes' work per program grows with the query heads it sums: group and split are in their key
+    assert DKDV_TUNE_KEY == [*TUNE_KEY, "group", "split"]
 
 
 def test_autotuning_lists_are_chosen_by_head_dim_class() -> None:
