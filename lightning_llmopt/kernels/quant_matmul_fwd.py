@@ -57,8 +57,8 @@ def _qmm_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FIXUP: tl.constexpr, MODE: tl.constexpr,
     OFFSET: tl.constexpr, CENTER: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr,
-    PREFETCH: tl.constexpr, X_SPLIT: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, X_SPLIT: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # fmt: on
     if PDL:  # a programmatic dependent (kernels.pdl): nothing is read or written before the wait
@@ -86,20 +86,20 @@ def _qmm_kernel(
         if HAS_ZERO:
             z = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.int32)
     if PREFETCH:
-        xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k_start, k_end, K, BITS, X_SPLIT, BLOCK_K)
+        xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k_start, k_end, K, BITS, X_SPLIT, WIDEN, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         if PREFETCH:  # the next tile's loads are in flight while this one is computed
             xa_next, xb_next, b_next = _load_tile(
-                x_rows, w_rows, m_mask, n_mask, k0 + BLOCK_K, k_end, K, BITS, X_SPLIT, BLOCK_K
+                x_rows, w_rows, m_mask, n_mask, k0 + BLOCK_K, k_end, K, BITS, X_SPLIT, WIDEN, BLOCK_K
             )
         else:
-            xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k0, k_end, K, BITS, X_SPLIT, BLOCK_K)
+            xa, xb, b = _load_tile(x_rows, w_rows, m_mask, n_mask, k0, k_end, K, BITS, X_SPLIT, WIDEN, BLOCK_K)
         if GROUP != 0:
             g = k0 // GROUP
             s = tl.load(S + s_rows + g, mask=n_mask, other=0.0).to(tl.float32)
             if HAS_ZERO:
                 z = tl.load(Z + s_rows + g, mask=n_mask, other=0).to(tl.int32)
-        part = _tile_part(xa, xb, b, z, BITS, MODE, OFFSET, CENTER, ASM, IEEE, SWAP, BLOCK_M, BLOCK_N)
+        part = _tile_part(xa, xb, b, z, BITS, MODE, OFFSET, CENTER, ASM, IEEE, SWAP, WIDEN, BLOCK_M, BLOCK_N)
         if GROUP == 0:
             acc += part
         else:
@@ -165,6 +165,8 @@ class KernelConfig:
             (register double-buffering, for latency-bound small batches).
         x_split: ``"mma"``/``"mma_t"`` with 4-bit codes: reorder ``x`` to its even then odd columns first (one small
             copy) so the kernel's activation loads are contiguous and pipelined.
+        widen: ``"mma"``/``"mma_t"`` with 4-bit codes: interleave the two nibble planes back into column order in
+            registers and take one full-width product per tile (``x`` loaded as is; ``x_split`` is then ignored).
     """
 
     kind: str = "mma"
@@ -178,6 +180,7 @@ class KernelConfig:
     asm: bool = False
     prefetch: bool = False
     x_split: bool = False
+    widen: bool = False
 
 
 def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group: int,
@@ -232,7 +235,8 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         )
     elif cfg.kind in ("mma", "mma_t"):
         mode = _MODES[x.dtype]
-        x_split = bits == 4 and cfg.x_split
+        widen = bits == 4 and cfg.widen
+        x_split = bits == 4 and cfg.x_split and not widen
         if x_split:  # even columns then odd ones: contiguous activation tiles for the two nibble planes
             x = x.unflatten(1, (k // 2, 2)).transpose(1, 2).reshape(m, k)
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -242,7 +246,7 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
             y.stride(0),
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, FIXUP=fixup, MODE=mode, OFFSET=_OFFSETS[mode],
             CENTER=cfg.center, ASM=cfg.asm, IEEE=mode == 0, SWAP=cfg.kind == "mma_t", PREFETCH=cfg.prefetch,
-            X_SPLIT=x_split, PDL=pdl, BLOCK_M=cfg.block_m,
+            X_SPLIT=x_split, WIDEN=widen, PDL=pdl, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **launch_kwargs(pdl),
         )

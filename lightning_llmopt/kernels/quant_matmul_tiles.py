@@ -90,13 +90,30 @@ def _outer(x_vec, n_vec, SWAP: tl.constexpr):
 
 @triton.jit
 def _load_tile(
-    x_rows, w_rows, m_mask, n_mask, k0, k_end, K, BITS: tl.constexpr, X_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr
+    x_rows,
+    w_rows,
+    m_mask,
+    n_mask,
+    k0,
+    k_end,
+    K,
+    BITS: tl.constexpr,
+    X_SPLIT: tl.constexpr,
+    WIDEN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """One K tile's operands, masked to ``[k0, k_end)``: 4 bits: the even and odd input columns of ``x`` and the
     code bytes ``(BLOCK_N, BLOCK_K / 2)``; 8 bits: ``x`` twice and the codes ``(BLOCK_N, BLOCK_K)``. ``X_SPLIT``
     (4 bits): ``x`` rows hold their even columns then their odd ones, so both loads are contiguous (and the
-    compiler's pipeliner can turn them into asynchronous copies)."""
-    if BITS == 4:
+    compiler's pipeliner can turn them into asynchronous copies). ``WIDEN`` (4 bits): ``x``'s whole tile twice
+    (the nibbles are put back in column order by :func:`_tile_part`) and the code bytes."""
+    if BITS == 4 and WIDEN:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xa = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < k_end), other=0.0)
+        xb = xa
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(w_rows + offs_b[None, :], mask=n_mask[:, None] & (offs_b[None, :] < k_end // 2), other=0)
+    elif BITS == 4:
         if X_SPLIT:
             offs_h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             x_mask = m_mask[:, None] & (offs_h[None, :] < k_end // 2)
@@ -130,16 +147,24 @@ def _tile_part(
     ASM: tl.constexpr,
     IEEE: tl.constexpr,
     SWAP: tl.constexpr,
+    WIDEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``x[:, tile] @ (q - z)[:, tile]^T`` in fp32 for one K tile of :func:`_load_tile` (its transpose if
-    ``SWAP``); ``z`` int32 ``(BLOCK_N,)``."""
+    ``SWAP``); ``z`` int32 ``(BLOCK_N,)``. ``WIDEN`` (4 bits): the low and high nibbles are interleaved back into
+    one ``(BLOCK_N, BLOCK_K)`` tile in registers and multiplied in one full-width product, as 8-bit codes are."""
     if SWAP:
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if BITS == 4:
+    if BITS == 4 and WIDEN:
+        if ASM:
+            w = tl.interleave(_nibbles_bf16_asm(b, False), _nibbles_bf16_asm(b, True))
+        else:
+            w = _centered(tl.interleave(b & 0xF, b >> 4), z[:, None], MODE)
+        part = _dot(xa, w, part, IEEE, SWAP)
+    elif BITS == 4:
         if ASM:
             part = _dot(xa, _nibbles_bf16_asm(b, False), part, IEEE, SWAP)
             part = _dot(xb, _nibbles_bf16_asm(b, True), part, IEEE, SWAP)

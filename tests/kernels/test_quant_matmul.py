@@ -342,3 +342,59 @@ def test_words_kernel_whole_tiles(bits: int, group: int | None, sym: bool, prefe
             pt_err = (same.double() - ref).abs().max().item()
             floor = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1.0)
             assert err <= 2 * pt_err + floor, (dtype, block_k, split, err, pt_err)
+
+
+def _assert_launch_within_rule(x: torch.Tensor, qw, scales, zeros, bits: int, group: int | None, cfg) -> None:  # type: ignore[no-untyped-def]
+    """One :func:`launch` at ``cfg`` against the fp64 reference by the module's tolerance rule."""
+    from lightning_llmopt.kernels.quant_matmul_fwd import launch
+    from lightning_llmopt.quantization.packing import as_kernel_bytes
+
+    k = x.shape[1]
+    out = launch(x, as_kernel_bytes(qw, bits, k), scales.to(x.dtype), zeros, bits, group or 0, cfg)
+    ref = quant_matmul_ref(x.double(), qw, scales.to(x.dtype), zeros, bits)
+    same = quant_matmul_ref(x, qw, scales.to(x.dtype), zeros, bits, upcast=False)
+    assert not torch.isnan(out).any()
+    err = (out.double() - ref).abs().max().item()
+    pt_err = (same.double() - ref).abs().max().item()
+    floor = 4 * torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
+    assert err <= 2 * pt_err + floor, (cfg, x.dtype, err, pt_err)
+
+
+@pytest.mark.parametrize("kind", ["mma", "mma_t"])
+@pytest.mark.parametrize("group, sym, M", [(32, True, 1), (16, False, 5), (None, True, 17), (64, False, 16)])
+def test_widened_4bit_tiles(kind: str, group: int | None, sym: bool, M: int) -> None:
+    """``widen``: the nibble planes interleaved back into column order in registers and one full-width product per
+    tile (activations loaded as they are, ``x_split`` ignored); split-K up to 8 slices, the double-buffered loop."""
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig
+
+    N, K = 40, 256
+    qw, scales, zeros = _weights(N, K, 4, group, sym, seed=M + (group or 0))
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+        for split, prefetch in ((1, False), (2, True), (8, False)):
+            cfg = KernelConfig(
+                kind, 16, 16, min(32, group or 32), split, 4, 1, True, prefetch=prefetch, x_split=True, widen=True
+            )
+            _assert_launch_within_rule(x, qw, scales, zeros, 4, group, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("asm", [False, True])
+@pytest.mark.parametrize(
+    "kind, M, block_n, split, warps",
+    [("mma", 16, 64, 8, 4), ("mma", 3, 32, 8, 2), ("mma", 16, 32, 1, 4), ("mma_t", 9, 64, 4, 4)],
+)
+@pytest.mark.parametrize("group, sym", [(128, True), (32, False)])
+def test_widened_4bit_half_precision_on_gpu(
+    asm: bool, kind: str, M: int, block_n: int, split: int, warps: int, group: int, sym: bool
+) -> None:
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig
+
+    if asm and not sym:
+        pytest.skip("the inline-PTX tensor-core path takes symmetric 4-bit codes")
+    n, k = 300, 2048
+    qw, scales, zeros = _weights(n, k, 4, group, sym, seed=M + split)
+    for dtype in (torch.bfloat16,) if asm else (torch.bfloat16, torch.float16):
+        x = torch.randn(M, k, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
+        cfg = KernelConfig(kind, 16, block_n, min(128, group), split, warps, 3, True, asm, widen=True)
+        _assert_launch_within_rule(x, qw, scales, zeros, 4, group, cfg)
