@@ -140,6 +140,22 @@ def test_kernel_bf16_on_gpu(M: int, bits: int, group: int | None, sym: bool) -> 
     _check(x, qw, scales.to(torch.bfloat16), zeros, bits, split_k=1 if M > 16 else 4)  # fixed configs: no autotuning
 
 
+def _assert_launch_within_rule(x: torch.Tensor, qw, scales, zeros, bits: int, group: int | None, cfg) -> None:  # type: ignore[no-untyped-def]
+    """One :func:`launch` at ``cfg`` against the fp64 reference by the module's tolerance rule."""
+    from lightning_llmopt.kernels.quant_matmul_fwd import launch
+    from lightning_llmopt.quantization.packing import as_kernel_bytes
+
+    k = x.shape[1]
+    out = launch(x, as_kernel_bytes(qw, bits, k), scales.to(x.dtype), zeros, bits, group or 0, cfg)
+    ref = quant_matmul_ref(x.double(), qw, scales.to(x.dtype), zeros, bits)
+    same = quant_matmul_ref(x, qw, scales.to(x.dtype), zeros, bits, upcast=False)
+    assert not torch.isnan(out).any()
+    err = (out.double() - ref).abs().max().item()
+    pt_err = (same.double() - ref).abs().max().item()
+    floor = 4 * torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
+    assert err <= 2 * pt_err + floor, (cfg, x.dtype, err, pt_err)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("asm", [False, True])
 @pytest.mark.parametrize(
@@ -149,21 +165,14 @@ def test_kernel_bf16_on_gpu(M: int, bits: int, group: int | None, sym: bool) -> 
 def test_words_kernel_half_precision_on_gpu(
     asm: bool, bits: int, group: int | None, sym: bool, block_k: int, split: int
 ) -> None:
-    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
-    from lightning_llmopt.quantization.packing import as_kernel_bytes
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig
 
     n, k = 300, 2048
     qw, scales, zeros = _weights(n, k, bits, group, sym, seed=bits + block_k)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(split)).to(DEVICE, dtype)
         cfg = KernelConfig("words", 1, 16, block_k, split, 4, 3, True, asm, prefetch=split > 1)
-        out = launch(x, as_kernel_bytes(qw, bits, k), scales.to(dtype), zeros, bits, group or 0, cfg)
-        ref = quant_matmul_ref(x.double(), qw, scales.to(dtype), zeros, bits)
-        same = quant_matmul_ref(x, qw, scales.to(dtype), zeros, bits, upcast=False)
-        err = (out.double() - ref).abs().max().item()
-        pt_err = (same.double() - ref).abs().max().item()
-        floor = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1.0)
-        assert err <= 2 * pt_err + floor, (dtype, err, pt_err)
+        _assert_launch_within_rule(x, qw, scales, zeros, bits, group, cfg)
 
 
 @pytest.mark.gpu
@@ -173,8 +182,7 @@ def test_words_kernel_half_precision_on_gpu(
 def test_swapped_mma_half_precision_on_gpu(
     asm: bool, bits: int, group: int | None, sym: bool, M: int, block_n: int, split: int
 ) -> None:
-    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
-    from lightning_llmopt.quantization.packing import as_kernel_bytes
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig
 
     if asm and (bits != 4 or not sym):
         pytest.skip("the inline-PTX tensor-core path takes symmetric 4-bit codes")
@@ -186,13 +194,7 @@ def test_swapped_mma_half_precision_on_gpu(
         cfg = KernelConfig(
             "mma_t", 16, block_n, min(128, group or 128), split, 4, 3, True, asm, prefetch=split > 1, x_split=split == 1
         )
-        out = launch(x, as_kernel_bytes(qw, bits, k), scales.to(dtype), zeros, bits, group or 0, cfg)
-        ref = quant_matmul_ref(x.double(), qw, scales.to(dtype), zeros, bits)
-        same = quant_matmul_ref(x, qw, scales.to(dtype), zeros, bits, upcast=False)
-        err = (out.double() - ref).abs().max().item()
-        pt_err = (same.double() - ref).abs().max().item()
-        floor = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1.0)
-        assert err <= 2 * pt_err + floor, (dtype, err, pt_err)
+        _assert_launch_within_rule(x, qw, scales, zeros, bits, group, cfg)
 
 
 @pytest.mark.gpu
@@ -344,22 +346,6 @@ def test_words_kernel_whole_tiles(bits: int, group: int | None, sym: bool, prefe
             assert err <= 2 * pt_err + floor, (dtype, block_k, split, err, pt_err)
 
 
-def _assert_launch_within_rule(x: torch.Tensor, qw, scales, zeros, bits: int, group: int | None, cfg) -> None:  # type: ignore[no-untyped-def]
-    """One :func:`launch` at ``cfg`` against the fp64 reference by the module's tolerance rule."""
-    from lightning_llmopt.kernels.quant_matmul_fwd import launch
-    from lightning_llmopt.quantization.packing import as_kernel_bytes
-
-    k = x.shape[1]
-    out = launch(x, as_kernel_bytes(qw, bits, k), scales.to(x.dtype), zeros, bits, group or 0, cfg)
-    ref = quant_matmul_ref(x.double(), qw, scales.to(x.dtype), zeros, bits)
-    same = quant_matmul_ref(x, qw, scales.to(x.dtype), zeros, bits, upcast=False)
-    assert not torch.isnan(out).any()
-    err = (out.double() - ref).abs().max().item()
-    pt_err = (same.double() - ref).abs().max().item()
-    floor = 4 * torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
-    assert err <= 2 * pt_err + floor, (cfg, x.dtype, err, pt_err)
-
-
 @pytest.mark.parametrize("kind", ["mma", "mma_t"])
 @pytest.mark.parametrize("group, sym, M", [(32, True, 1), (16, False, 5), (None, True, 17), (64, False, 16)])
 def test_widened_4bit_tiles(kind: str, group: int | None, sym: bool, M: int) -> None:
@@ -379,19 +365,17 @@ def test_widened_4bit_tiles(kind: str, group: int | None, sym: bool, M: int) -> 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("asm", [False, True])
 @pytest.mark.parametrize(
     "kind, M, block_n, split, warps",
     [("mma", 16, 64, 8, 4), ("mma", 3, 32, 8, 2), ("mma", 16, 32, 1, 4), ("mma_t", 9, 64, 4, 4)],
 )
-@pytest.mark.parametrize("group, sym", [(128, True), (32, False)])
+# the inline-PTX tensor-core path takes symmetric 4-bit codes only
+@pytest.mark.parametrize("asm, group, sym", [(False, 128, True), (False, 32, False), (True, 128, True)])
 def test_widened_4bit_half_precision_on_gpu(
     asm: bool, kind: str, M: int, block_n: int, split: int, warps: int, group: int, sym: bool
 ) -> None:
     from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig
 
-    if asm and not sym:
-        pytest.skip("the inline-PTX tensor-core path takes symmetric 4-bit codes")
     n, k = 300, 2048
     qw, scales, zeros = _weights(n, k, 4, group, sym, seed=M + split)
     for dtype in (torch.bfloat16,) if asm else (torch.bfloat16, torch.float16):
