@@ -17,8 +17,8 @@ Layers (CONVENTIONS.md, "three layers per kernel"):
 
 Backend switch: the ``backend`` argument, else ``$LLMOPT_QUANT_BACKEND``, else ``"auto"``: ``"triton"`` forces the
 kernel (on CPU only under ``TRITON_INTERPRET=1``), ``"reference"`` forces PyTorch, ``"auto"`` takes Triton for CUDA
-tensors in formats the kernel has (4 or 8 bits; per-channel or groups that are multiples of 16) and the reference
-otherwise.
+tensors in formats the kernel has (4 or 8 bits; per-channel or groups that are multiples of 16, 32 for 4 bits) and
+the reference otherwise.
 """
 
 from __future__ import annotations
@@ -83,13 +83,14 @@ class QuantMatmulFunction(torch.autograd.Function):
 
 def kernel_supports(bits: int, in_features: int, groups: int) -> bool:
     """Whether the Triton kernel handles this format: 4 or 8 bits, per-channel or groups of a multiple of 16
-    columns, an even number of input columns for 4 bits."""
+    columns (32 for 4 bits: the tensor-core kernel's K tile lies in one group and holds two 16-column halves), an
+    even number of input columns for 4 bits."""
     if bits not in (4, 8) or in_features % groups != 0:
         return False
     group = in_features // groups
     if bits == 4 and in_features % 2:
         return False
-    return groups == 1 or group % 16 == 0
+    return groups == 1 or group % (32 if bits == 4 else 16) == 0
 
 
 def resolve_quant_backend(backend: str | None, device: torch.device, supported: bool = True) -> str:
@@ -103,7 +104,7 @@ def resolve_quant_backend(backend: str | None, device: torch.device, supported: 
         if not supported:
             raise ValueError(
                 "backend 'triton' needs 4- or 8-bit codes, per-channel scales or groups of a multiple "
-                "of 16 columns, and an even in_features for 4 bits"
+                "of 16 columns (32 for 4 bits), and an even in_features for 4 bits"
             )
         if not triton_available():
             raise RuntimeError("quant matmul backend 'triton' needs the triton package (pip install triton)")

@@ -235,6 +235,8 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         )
     elif cfg.kind in ("mma", "mma_t"):
         mode = _MODES[x.dtype]
+        if bits == 4 and cfg.block_k < 32:  # half tiles of 8 columns: below the tensor cores' K (wrong on a GPU)
+            raise ValueError(f"4-bit tensor-core tiles need BLOCK_K >= 32, got {cfg.block_k}")
         widen = bits == 4 and cfg.widen
         x_split = bits == 4 and cfg.x_split and not widen
         if x_split:  # even columns then odd ones: contiguous activation tiles for the two nibble planes

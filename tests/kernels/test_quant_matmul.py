@@ -110,6 +110,7 @@ def test_quantized_linear_is_a_drop_in_linear(act_order: bool, bias: bool) -> No
 def test_backend_selection() -> None:
     assert kernel_supports(4, 128, 4) and kernel_supports(8, 100, 1)
     assert not kernel_supports(3, 128, 4) and not kernel_supports(4, 96, 12)  # 3 bits; groups of 8 columns
+    assert kernel_supports(8, 64, 4) and not kernel_supports(4, 64, 4)  # groups of 16: 8 bits only
     cpu = torch.device("cpu")
     if not torch.cuda.is_available():
         assert resolve_quant_backend("auto", cpu) == "reference"
@@ -347,7 +348,7 @@ def test_words_kernel_whole_tiles(bits: int, group: int | None, sym: bool, prefe
 
 
 @pytest.mark.parametrize("kind", ["mma", "mma_t"])
-@pytest.mark.parametrize("group, sym, M", [(32, True, 1), (16, False, 5), (None, True, 17), (64, False, 16)])
+@pytest.mark.parametrize("group, sym, M", [(32, True, 1), (32, False, 5), (None, True, 17), (64, False, 16)])
 def test_widened_4bit_tiles(kind: str, group: int | None, sym: bool, M: int) -> None:
     """``widen``: the nibble planes interleaved back into column order in registers and one full-width product per
     tile (activations loaded as they are, ``x_split`` ignored); split-K up to 8 slices, the double-buffered loop."""
