@@ -4,7 +4,8 @@ On a GPU every candidate of a shape is timed once per (device, M bucket, N, K, b
 and the fastest is cached; a candidate whose output differs from an fp32 dequantize-and-multiply of the same inputs
 by more than 2% (relative Frobenius norm; bf16 rounding is ~0.3%) is never chosen. Timing captures a CUDA graph of
 back-to-back launches over distinct copies of the weights, enough copies to hold twice the L2 cache (none beyond
-the original when the weights alone are that large): every launch streams its weights from memory as in a decode
+the original when the weights alone are that large; at most 64, so a tiny layer is not timed over tens of thousands
+of launches per candidate): every launch streams its weights from memory as in a decode
 step, where one layer's weights follow another's, and the time is GPU time free of the Python dispatch that
 dominates eager timing of microsecond kernels (and would otherwise decide the ranking). (``_gpu_ms``, an L2 flush
 before each launch with the flushes' time subtracted, is kept for diagnostics; it ranks split-K candidates too
@@ -170,11 +171,15 @@ def _gpu_ms(fn, device: torch.device, reps: int = 8) -> float:  # type: ignore[n
     return max(times[0] - times[1], 1e-6) / reps
 
 
+_MAX_COPIES = 64  # a tiny layer fits in L2 many times over: 64 copies, not tens of thousands of launches per candidate
+
+
 def _weight_copies(w: Tensor, scales: Tensor, zeros: Tensor | None) -> list[tuple[Tensor, Tensor, Tensor | None]]:
-    """The weights and enough clones of them to fill twice the L2 cache (see the module docstring)."""
+    """The weights and enough clones of them to fill twice the L2 cache (see the module docstring), at most
+    ``_MAX_COPIES``."""
     per_copy = sum(t.numel() * t.element_size() for t in (w, scales, zeros) if t is not None)
     l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 50 * 2**20) or 50 * 2**20
-    count = max(1, -(-2 * l2 // per_copy))
+    count = max(1, min(_MAX_COPIES, -(-2 * l2 // per_copy)))
     copies = [(w, scales, zeros)]
     copies += [(w.clone(), scales.clone(), None if zeros is None else zeros.clone()) for _ in range(count - 1)]
     return copies
