@@ -19,7 +19,9 @@ Two kernels, chosen per shape by :mod:`~lightning_llmopt.kernels.quant_matmul_tu
   per row of its rows) and loads the activations of its words as one ``(BLOCK_W, 8 or 4)`` row of contiguous
   bytes, split into columns in registers, so no activation passes through shared memory. Tiles may span
   quantization groups (scales then load per word), so ``BLOCK_K`` can be larger than the group and each program
-  streams long rows.
+  streams long rows. ``wide`` launches load int64 elements of two words (half the load and scale instructions,
+  one chain of 16 int4 codes per element), optionally with the codes loaded evict-first and the row strides
+  compiled in (the tuner's pick for int4 at batch 1 on an H100).
 
 Codes become floats with exact bit tricks rather than integer-to-float conversions (a quarter of the ALU rate on
 Hopper): ``0x4B000000 | q`` is the fp32 ``2**23 + q``, and subtracting ``2**23 + z`` leaves ``q - z`` exactly; in
@@ -162,11 +164,17 @@ class KernelConfig:
         asm: ``"mma"``/``"mma_t"``: GPU only, symmetric 4-bit codes with bf16 activations: inline-PTX
             dequantization; ``"words"``: fp16/bf16 on a GPU, ``prmt`` unpacking.
         prefetch: ``"mma"``/``"mma_t"``/``"words"``: load the next K tile before computing the current one
-            (register double-buffering, for latency-bound small batches).
+            (register double-buffering, for latency-bound small batches; ``"words"``: codes, scales and
+            activations).
         x_split: ``"mma"``/``"mma_t"`` with 4-bit codes: reorder ``x`` to its even then odd columns first (one small
             copy) so the kernel's activation loads are contiguous and pipelined.
         widen: ``"mma"``/``"mma_t"`` with 4-bit codes: interleave the two nibble planes back into column order in
             registers and take one full-width product per tile (``x`` loaded as is; ``x_split`` is then ignored).
+        wide: ``"words"``: load the codes as int64 elements of two words (half the load instructions; rows of a
+            whole number of int64).
+        evict: ``"words"``: load the codes with the ``evict_first`` cache policy (they are read once).
+        fixed_strides: ``"words"``: compile the row strides of the codes and scales in as constants (one kernel per
+            ``K``), so a program's rows are immediate offsets from one address per step.
     """
 
     kind: str = "mma"
@@ -181,6 +189,9 @@ class KernelConfig:
     prefetch: bool = False
     x_split: bool = False
     widen: bool = False
+    wide: bool = False
+    evict: bool = False
+    fixed_strides: bool = False
 
 
 def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group: int,
@@ -202,13 +213,16 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         raise ValueError("the inline-PTX path takes symmetric 4-bit codes and bf16 activations on a GPU")
     if cfg.kind == "words":
         cpw = 32 // bits
-        if m != 1 or k % cpw or cfg.block_k % cpw or w.stride(1) != 1 or w.shape[1] % 4 or w.stride(0) % 4:
-            raise ValueError(f"the words kernel takes one row and whole int32 words of codes, got M={m}, K={k}")
+        cpe = cpw * 2 if cfg.wide else cpw  # codes per loaded element (an int32 word, or an int64 of two)
+        row_bytes = cpe * bits // 8
+        whole = w.stride(1) == 1 and w.shape[1] % row_bytes == 0 and w.stride(0) % row_bytes == 0
+        if m != 1 or k % cpe or cfg.block_k % cpe or not whole:
+            raise ValueError(f"the words kernel takes one row and whole {8 * row_bytes}-bit elements, got M={m}, K={k}")
         if cfg.asm and (x.dtype == torch.float32 or x.device.type != "cuda"):
             raise ValueError("the words kernel's inline-PTX path takes fp16/bf16 activations on a GPU")
-        if group and (group % cpw or (group % cfg.block_k and cfg.block_k % group)):
+        if group and (group % cpe or (group % cfg.block_k and cfg.block_k % group)):
             raise ValueError(f"the words kernel's tiles must start groups: group {group}, BLOCK_K {cfg.block_k}")
-        words = w.view(torch.int32)
+        words = w.view(torch.int64 if cfg.wide else torch.int32)
         # unmasked loads where every tile is whole: 4 bits only (int8 ran 2-5% slower without the masks on an
         # H100, int4 up to 12% faster, same-process comparison 2026-11-26)
         even = bits == 4 and n % cfg.block_n == 0 and k % cfg.block_k == 0
@@ -219,8 +233,9 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
             x, words, scales, z_arg, y, partials, counters, n, k, k_split, words.stride(0), scales.stride(0),
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, FIXUP=fixup,
             TILE_SCALE=group > 0 and group % cfg.block_k == 0, EXACT=x.dtype == torch.float32, ASM=cfg.asm,
-            PREFETCH=cfg.prefetch, EVEN=even, PDL=pdl,
-            BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // cpw,
+            PREFETCH=cfg.prefetch, EVEN=even, PDL=pdl, WIDE=cfg.wide, EVICT=cfg.evict,
+            ROW_W=words.stride(0) if cfg.fixed_strides else 0, ROW_S=scales.stride(0) if cfg.fixed_strides else 0,
+            BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // cpe,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl),
         )
         # fmt: on

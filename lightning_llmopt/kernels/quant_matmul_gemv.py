@@ -146,6 +146,132 @@ def _x_columns4(xt, BLOCK_W: tl.constexpr):
 
 
 # fmt: off
+@triton.jit
+def _word_codes(words, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The codes of each int32 word as fp32 ``OFFSET + q`` (:func:`_word_code`, or inline PTX: odd 4-bit codes
+    then come as ``16 (2048 + q)``, see :func:`_word_nibbles_asm`). One return at the end: a ``return`` inside a
+    compile-time branch does not end the function in Triton's frontend."""
+    if BITS == 4:
+        if ASM:
+            codes = _word_nibbles_asm(words)
+        else:
+            codes = (_word_code(words, 0, 4), _word_code(words, 1, 4), _word_code(words, 2, 4),
+                     _word_code(words, 3, 4), _word_code(words, 4, 4), _word_code(words, 5, 4),
+                     _word_code(words, 6, 4), _word_code(words, 7, 4))
+    elif ASM:
+        codes = _word_bytes_asm(words)
+    else:
+        codes = _word_code(words, 0, 8), _word_code(words, 1, 8), _word_code(words, 2, 8), _word_code(words, 3, 8)
+    return codes
+
+
+@triton.jit
+def _word_x(xt, BITS: tl.constexpr, ASM: tl.constexpr, BLOCK_W: tl.constexpr):
+    """A word's activation columns as fp32 ``(BLOCK_W,)`` vectors, those of the inline-PTX odd 4-bit codes divided
+    by 16, with their sum and ``x_fix`` (what the chain start adds for those codes' larger offset: ``-1920`` times
+    the odd columns' sum)."""
+    if BITS == 4:
+        xs = _x_columns8(xt.to(tl.float32), BLOCK_W)
+    else:
+        xs = _x_columns4(xt.to(tl.float32), BLOCK_W)
+    x_sum = xs[0]
+    for j in tl.static_range(1, 32 // BITS):
+        x_sum += xs[j]
+    if BITS == 4 and ASM:
+        x_fix = -1920.0 * (xs[1] + xs[3] + xs[5] + xs[7])
+        xs = (xs[0], xs[1] * 0.0625, xs[2], xs[3] * 0.0625, xs[4], xs[5] * 0.0625, xs[6], xs[7] * 0.0625)
+    else:
+        x_fix = tl.zeros((BLOCK_W,), dtype=tl.float32)
+    return xs, x_sum, x_fix
+
+
+@triton.jit
+def _words_load(w_rows, s_ptrs, z_ptrs, X, k0, offs_w, col_g, x_cols, words_end, zero, n_mask, GROUP: tl.constexpr,
+                HAS_ZERO: tl.constexpr, TILE_SCALE: tl.constexpr, OFFSET: tl.constexpr, EVEN: tl.constexpr,
+                EVICT: tl.constexpr, WIDE: tl.constexpr, CPW: tl.constexpr, CPE: tl.constexpr):
+    """The loads of the K tile at ``k0``: the code elements, their scales and zero points (``OFFSET + z``, per
+    element, per tile (``TILE_SCALE``), or ``zero``: per-channel or symmetric) and activations (``xb``: those of a
+    wide element's second word)."""
+    kw = (k0 // CPE + offs_w).to(tl.uint32)
+    w_mask = kw < words_end
+    tile_mask = n_mask[:, None] & w_mask[None, :]
+    w_ptrs = w_rows + kw[None, :]
+    if EVEN:
+        if EVICT:  # the codes are read once: let them leave the cache first
+            words = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            words = tl.load(w_ptrs)
+    elif EVICT:
+        words = tl.load(w_ptrs, mask=tile_mask, other=0, eviction_policy="evict_first")
+    else:
+        words = tl.load(w_ptrs, mask=tile_mask, other=0)
+    zw = zero[:, None]
+    s = 1.0
+    if GROUP != 0:
+        if TILE_SCALE:  # the tile lies in one group
+            g = k0 // GROUP
+            g_mask = n_mask[:, None]
+        else:  # a scale (and zero point) per element
+            g = (k0 // GROUP + col_g)[None, :]
+            g_mask = tile_mask
+        if EVEN:
+            if HAS_ZERO:
+                zw = tl.load(z_ptrs + g).to(tl.float32) + OFFSET
+            s = tl.load(s_ptrs + g).to(tl.float32)
+        else:
+            if HAS_ZERO:
+                zw = tl.load(z_ptrs + g, mask=g_mask, other=0).to(tl.float32) + OFFSET
+            s = tl.load(s_ptrs + g, mask=g_mask, other=0.0).to(tl.float32)
+    x_ptrs = X + (kw[:, None] * CPE + x_cols)
+    if EVEN:
+        xa = tl.load(x_ptrs)
+        xb = tl.load(x_ptrs + CPW) if WIDE else xa
+    else:
+        xa = tl.load(x_ptrs, mask=w_mask[:, None], other=0.0)
+        xb = tl.load(x_ptrs + CPW, mask=w_mask[:, None], other=0.0) if WIDE else xa
+    return words, s, zw, xa, xb
+
+
+@triton.jit
+def _words_part(words, xa, xb, zw, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, EXACT: tl.constexpr,
+                ASM: tl.constexpr, WIDE: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_W: tl.constexpr):
+    """``sum_j (q_j - z) x_j`` over each element's codes (one int32 word, or ``WIDE`` an int64 of two: low word
+    first), fp32 ``(BLOCK_N, BLOCK_W)``."""
+    CPW: tl.constexpr = 32 // BITS
+    if WIDE:
+        codes = _word_codes(words.to(tl.int32), BITS, ASM)
+        codes_b = _word_codes((words >> 32).to(tl.int32), BITS, ASM)
+    else:
+        codes = _word_codes(words, BITS, ASM)
+        codes_b = codes
+    xs, x_sum, x_fix = _word_x(xa, BITS, ASM, BLOCK_W)
+    xs_b, x_sum_b, x_fix_b = _word_x(xb, BITS, ASM, BLOCK_W)
+    if EXACT:
+        part = (codes[0] - zw) * xs[0][None, :]
+        for j in tl.static_range(1, CPW):
+            part += (codes[j] - zw) * xs[j][None, :]
+        if WIDE:
+            for j in tl.static_range(CPW):
+                part += (codes_b[j] - zw) * xs_b[j][None, :]
+    else:
+        # part = sum_j (OFFSET_j + q_j) x_j - (OFFSET + z) sum_j x_j, the subtraction first: it starts the chain
+        if WIDE:
+            x_sum += x_sum_b
+            x_fix += x_fix_b
+        if HAS_ZERO:
+            part = x_fix[None, :] - zw * x_sum[None, :]
+        else:  # the symmetric zero: one start value per word, shared by the rows
+            ZERO_SYM: tl.constexpr = (1 << (BITS - 1)) + OFFSET
+            part = tl.broadcast_to((x_fix - ZERO_SYM * x_sum)[None, :], (BLOCK_N, BLOCK_W))
+        for j in tl.static_range(CPW):
+            part += codes[j] * xs[j][None, :]
+        if WIDE:
+            for j in tl.static_range(CPW):
+                part += codes_b[j] * xs_b[j][None, :]
+    return part
+
+
 @triton.jit(do_not_specialize=["stride_wn"])
 def _qmv_words_kernel(
     X, W, S, Z, Y, P, C,
@@ -153,124 +279,75 @@ def _qmv_words_kernel(
     stride_wn, stride_sn,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FIXUP: tl.constexpr,
     TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
-    PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr, WIDE: tl.constexpr, EVICT: tl.constexpr, ROW_W: tl.constexpr, ROW_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     # fmt: on
     if PDL:  # a programmatic dependent (kernels.pdl): nothing is read or written before the wait
         gdc_launch_dependents()
         gdc_wait()
-    # Layout: the word loads are left unvectorized (``stride_wn`` is not specialized, so no row is known to be
-    # 16-byte aligned), which gives each thread whole words, one per row of its rows; the activations are loaded
-    # as ``(BLOCK_W, CPW)`` rows of 8 or 16 contiguous bytes, which lands each word's activations in the thread
-    # that holds the word, and their columns are split in registers. (Vectorized word loads put two or four words
-    # in a thread, and every activation column then went through shared memory with a barrier: on an H100 that
-    # kernel was bound by its L1/shared-memory traffic at under half the memory bandwidth.)
+    # Layout: the element loads are left unvectorized (``stride_wn`` is not specialized, so no row is known to be
+    # 16-byte aligned), which gives each thread whole elements (an int32 word, or ``WIDE`` an int64 of two), one
+    # per row of its rows; the activations are loaded as ``(BLOCK_W, CPW)`` rows of 8 or 16 contiguous bytes (two
+    # such rows for a wide element), which lands each element's activations in the thread that holds it, and their
+    # columns are split in registers. (Vectorized word loads put two or four words in a thread, and every
+    # activation column then went through shared memory with a barrier: on an H100 that kernel was bound by its
+    # L1/shared-memory traffic at under half the memory bandwidth.)
     CPW: tl.constexpr = 32 // BITS  # codes per int32 word
+    CPE: tl.constexpr = CPW * 2 if WIDE else CPW  # codes per loaded element
     OFFSET: tl.constexpr = 128 if BITS == 4 else 32768 if ASM else 256
-    # Addresses: unsigned word indices (no sign extension) added to per-row pointers, group indices by a shift;
-    # ``EVEN`` (every row and every K tile whole) drops the masks.
-    GW: tl.constexpr = GROUP // CPW if GROUP > 0 else 1  # words per quantization group
+    # Addresses: unsigned element indices (no sign extension) added to per-row pointers, group indices by a shift;
+    # ``EVEN`` (every row and every K tile whole) drops the masks. ``ROW_W``/``ROW_S`` > 0 are the row strides as
+    # compile-time constants: the rows of a program are then immediate offsets from one address per step.
+    GE: tl.constexpr = GROUP // CPE if GROUP > 0 else 1  # elements per quantization group
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + rows
     offs_w = tl.arange(0, BLOCK_W)
     n_mask = offs_n < N
-    w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
-    s_rows = offs_n * stride_sn
-    s_ptrs = S + s_rows[:, None]
-    z_ptrs = Z + s_rows[:, None]
-    col_g = (offs_w // GW).to(tl.uint32)  # a word's group within a tile that starts one
+    if ROW_W > 0:
+        w_rows = W + (pid_n * BLOCK_N).to(tl.int64) * ROW_W + (rows * ROW_W)[:, None]
+        s_rows = pid_n * BLOCK_N * ROW_S + rows * ROW_S
+    else:
+        w_rows = W + offs_n[:, None].to(tl.int64) * stride_wn
+        s_rows = offs_n * stride_sn
+    col_g = (offs_w // GE).to(tl.uint32)  # an element's group within a tile that starts one
     x_cols = tl.arange(0, CPW)[None, :].to(tl.uint32)
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    words_end = k_end // CPW
-    ZERO_SYM: tl.constexpr = (1 << (BITS - 1)) + OFFSET
-    zero = tl.full((BLOCK_N,), ZERO_SYM, tl.float32)  # symmetric: OFFSET + 2**(bits-1)
+    words_end = k_end // CPE
+    STEP: tl.constexpr = BLOCK_W * CPE
+    zero = tl.full((BLOCK_N,), (1 << (BITS - 1)) + OFFSET, tl.float32)  # symmetric: OFFSET + 2**(bits-1)
     if GROUP == 0:
         if HAS_ZERO:
             zero = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.float32) + OFFSET
+    s_ptrs = S + s_rows[:, None]
+    z_ptrs = Z + s_rows[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-    if PREFETCH:
-        kw = (k_start // CPW + offs_w).to(tl.uint32)
-        words = tl.load(w_rows + kw[None, :], mask=n_mask[:, None] & (kw < words_end)[None, :], other=0)
-    for k0 in range(k_start, k_end, BLOCK_W * CPW):
-        kw = (k0 // CPW + offs_w).to(tl.uint32)
-        w_mask = kw < words_end
-        tile_mask = n_mask[:, None] & w_mask[None, :]
-        if PREFETCH:  # the next tile's words are in flight while this one is computed
-            kw_next = kw + BLOCK_W
-            words_next = tl.load(w_rows + kw_next[None, :], mask=n_mask[:, None] & (kw_next < words_end)[None, :],
-                                 other=0)
-        elif EVEN:
-            words = tl.load(w_rows + kw[None, :])
-        else:
-            words = tl.load(w_rows + kw[None, :], mask=tile_mask, other=0)
-        if GROUP == 0:
-            zw = zero[:, None]
-            s = 1.0
-        elif TILE_SCALE:  # the tile lies in one group
-            g = k0 // GROUP
-            if HAS_ZERO:
-                zero = tl.load(Z + s_rows + g, mask=n_mask, other=0).to(tl.float32) + OFFSET
-            zw = zero[:, None]
-            s = tl.load(S + s_rows + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        else:  # the tile spans groups (it starts one: BLOCK_W is a multiple of GW): a scale (and zero) per word
-            zw = zero[:, None]
-            gw = (k0 // GROUP + col_g)[None, :]
+    if PREFETCH:  # register double-buffering: the next tile's loads are in flight while this one is computed
+        words, s, zw, xa, xb = _words_load(
+            w_rows, s_ptrs, z_ptrs, X, k_start, offs_w, col_g, x_cols, words_end, zero, n_mask, GROUP, HAS_ZERO,
+            TILE_SCALE, OFFSET, EVEN, EVICT, WIDE, CPW, CPE)
+    for k0 in range(k_start, k_end, STEP):
+        if PREFETCH:
+            k1 = k0 + STEP  # past the end on the last step: masked or (EVEN) clamped to the last tile
             if EVEN:
-                if HAS_ZERO:
-                    zw = tl.load(z_ptrs + gw).to(tl.float32) + OFFSET
-                s = tl.load(s_ptrs + gw).to(tl.float32)
-            else:
-                if HAS_ZERO:
-                    zw = tl.load(z_ptrs + gw, mask=tile_mask, other=0).to(tl.float32) + OFFSET
-                s = tl.load(s_ptrs + gw, mask=tile_mask, other=0.0).to(tl.float32)
-        x_ptrs = X + (kw[:, None] * CPW + x_cols)
-        if EVEN:
-            xt = tl.load(x_ptrs)
+                k1 = tl.minimum(k1, k_end - STEP)
         else:
-            xt = tl.load(x_ptrs, mask=w_mask[:, None], other=0.0)
-        if BITS == 4:
-            xs = _x_columns8(xt.to(tl.float32), BLOCK_W)
-            if ASM:
-                codes = _word_nibbles_asm(words)
-            else:
-                codes = (_word_code(words, 0, 4), _word_code(words, 1, 4), _word_code(words, 2, 4),
-                         _word_code(words, 3, 4), _word_code(words, 4, 4), _word_code(words, 5, 4),
-                         _word_code(words, 6, 4), _word_code(words, 7, 4))
-        else:
-            xs = _x_columns4(xt.to(tl.float32), BLOCK_W)
-            if ASM:
-                codes = _word_bytes_asm(words)
-            else:
-                codes = (_word_code(words, 0, 8), _word_code(words, 1, 8), _word_code(words, 2, 8),
-                         _word_code(words, 3, 8))
-        if EXACT:
-            part = (codes[0] - zw) * xs[0][None, :]
-            for j in tl.static_range(1, CPW):
-                part += (codes[j] - zw) * xs[j][None, :]
-        else:
-            # part = sum_j (OFFSET_j + q_j) x_j - (OFFSET + z) sum_j x_j, the subtraction first: it starts the chain
-            x_sum = xs[0]
-            for j in tl.static_range(1, CPW):
-                x_sum += xs[j]
-            if BITS == 4 and ASM:  # odd codes are 16 (2048 + q): their activations / 16, 1920 more to subtract
-                x_fix = -1920.0 * (xs[1] + xs[3] + xs[5] + xs[7])
-                xs = (xs[0], xs[1] * 0.0625, xs[2], xs[3] * 0.0625, xs[4], xs[5] * 0.0625, xs[6], xs[7] * 0.0625)
-            else:
-                x_fix = tl.zeros((BLOCK_W,), dtype=tl.float32)
-            if HAS_ZERO:
-                part = x_fix[None, :] - zw * x_sum[None, :]
-            else:  # the symmetric zero: one start value per word, shared by the rows
-                part = tl.broadcast_to((x_fix - ZERO_SYM * x_sum)[None, :], (BLOCK_N, BLOCK_W))
-            for j in tl.static_range(CPW):
-                part += codes[j] * xs[j][None, :]
+            k1 = k0
+        words1, s1, zw1, xa1, xb1 = _words_load(
+            w_rows, s_ptrs, z_ptrs, X, k1, offs_w, col_g, x_cols, words_end, zero, n_mask, GROUP, HAS_ZERO, TILE_SCALE,
+            OFFSET, EVEN, EVICT, WIDE, CPW, CPE)
+        if not PREFETCH:
+            words, s, zw, xa, xb = words1, s1, zw1, xa1, xb1
+        part = _words_part(words, xa, xb, zw, BITS, HAS_ZERO, EXACT, ASM, WIDE, OFFSET, BLOCK_N, BLOCK_W)
         if GROUP == 0:
             acc += part
         else:
             acc += part * s
         if PREFETCH:
-            words = words_next
+            words, s, zw, xa, xb = words1, s1, zw1, xa1, xb1
     out = tl.sum(acc, axis=1)
     if GROUP == 0:
         out = out * tl.load(S + s_rows, mask=n_mask, other=0.0).to(tl.float32)

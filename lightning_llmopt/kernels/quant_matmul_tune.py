@@ -53,6 +53,19 @@ _WORDS = [
     ("words", 1, 16, 512, 2, 2, 3, True),
     ("words", 1, 16, 256, 1, 2, 3, True),
 ]
+# the word kernel over int64 elements of two words (``wide``), 4-bit codes: (BLOCK_N, BLOCK_K, num_warps, prefetch,
+# evict, fixed_strides); a set covering the best launches of an H100 sweep at batch 1 (int4-g128, bf16, the six
+# shapes of benchmarks/bench_quant_matmul.py, CUDA graphs over weight copies; each shape within 2% of its best,
+# 2026-11-27), with the row strides compiled in (one kernel per K) and the codes loaded evict-first
+_WORDS_WIDE = [
+    (4, 2048, 4, False, True, True),
+    (8, 2048, 4, False, True, True),
+    (8, 2048, 4, True, False, False),
+    (8, 1024, 2, False, True, True),
+    (8, 2048, 4, False, True, False),
+    (8, 1024, 2, True, True, False),
+    (16, 1024, 2, True, False, True),
+]
 # tensor cores with the weights as the left operand (y^T = W x^T): BLOCK_N rows of W fill wgmma's M of 64; a ninth
 # field turns on the register double-buffering of the next K tile (benchmarks/sweep_quant_gemv.py --m 16)
 _SWAPPED = [
@@ -100,13 +113,20 @@ _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def candidate_configs(
-    m: int, k: int, group: int, asm: bool = False, words_asm: bool = False, x_split: bool = False
+    m: int,
+    k: int,
+    group: int,
+    asm: bool = False,
+    words_asm: bool = False,
+    x_split: bool = False,
+    wide_words: bool = False,
 ) -> list[KernelConfig]:
     """Configurations tried for an ``m``-row call (``BLOCK_K`` clipped to the group except for ``"words"``,
     duplicates removed); ``asm`` adds inline-PTX variants of the tensor-core candidates (symmetric int4, bf16, GPU),
     ``words_asm`` those of the word kernel (fp16/bf16, GPU), ``x_split`` (4-bit codes, ``m > 1``) variants of the
     tensor-core candidates without ``prefetch`` that reorder ``x`` for pipelined activation loads, and variants
-    that interleave the nibbles back into one full-width product per tile (``widen``)."""
+    that interleave the nibbles back into one full-width product per tile (``widen``), ``wide_words`` (4-bit codes,
+    ``m == 1``) the word kernel over int64 elements."""
     if m == 1:
         base = _WORDS + _GEMV + _DECODE + _SWAPPED
     else:
@@ -121,6 +141,12 @@ def candidate_configs(
         if x_split and m > 1 and kind in ("mma", "mma_t") and not cfg.prefetch:
             variants += [replace(c, x_split=True) for c in variants] + [replace(c, widen=True) for c in variants]
         out.extend(c for c in variants if c not in out)
+    if wide_words and m == 1 and k % 16 == 0:
+        for bn, bk, warps, prefetch, evict, fixed in _WORDS_WIDE:
+            if group and group % bk and bk % group:
+                continue
+            out.append(KernelConfig("words", 1, bn, bk, 1, warps, 3, True, words_asm, prefetch, wide=True,
+                                    evict=evict, fixed_strides=fixed))  # fmt: skip
     return out
 
 
@@ -240,7 +266,7 @@ def choose_config(
         return TUNED[key]
     asm = bits == 4 and zeros is None and x.dtype == torch.bfloat16
     words_asm = x.dtype != torch.float32
-    candidates = candidate_configs(m, k, group, asm, words_asm, x_split=bits == 4)
+    candidates = candidate_configs(m, k, group, asm, words_asm, x_split=bits == 4, wide_words=bits == 4)
     fallback = next(c for c in candidates if c.kind != "words")  # takes every shape
     if torch.cuda.is_current_stream_capturing() or os.environ.get("LLMOPT_QUANT_TUNE", "1") == "0":
         return fallback

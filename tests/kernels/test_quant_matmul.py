@@ -163,17 +163,23 @@ def _assert_launch_within_rule(x: torch.Tensor, qw, scales, zeros, bits: int, gr
     "bits, group, sym", [(4, 128, True), (4, 32, False), (4, None, True), (8, None, False), (8, 64, True)]
 )
 @pytest.mark.parametrize("block_k, split", [(256, 1), (256, 2), (1024, 2)])
+@pytest.mark.parametrize("wide", [False, True])
 def test_words_kernel_half_precision_on_gpu(
-    asm: bool, bits: int, group: int | None, sym: bool, block_k: int, split: int
+    asm: bool, bits: int, group: int | None, sym: bool, block_k: int, split: int, wide: bool
 ) -> None:
     from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig
 
     n, k = 300, 2048
     qw, scales, zeros = _weights(n, k, bits, group, sym, seed=bits + block_k)
     for dtype in (torch.bfloat16, torch.float16):
-        x = torch.randn(1, k, generator=torch.Generator().manual_seed(split)).to(DEVICE, dtype)
-        cfg = KernelConfig("words", 1, 16, block_k, split, 4, 3, True, asm, prefetch=split > 1)
-        _assert_launch_within_rule(x, qw, scales, zeros, bits, group, cfg)
+        for n_rows in (n, 256):  # masked rows; whole rows (4 bits: the unmasked path)
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(split)).to(DEVICE, dtype)
+            cfg = KernelConfig(
+                "words", 1, 16, block_k, split, 4, 3, True, asm, prefetch=split > 1, wide=wide, evict=wide,
+                fixed_strides=wide and split == 1,
+            )  # fmt: skip
+            zs = None if zeros is None else zeros[:n_rows]
+            _assert_launch_within_rule(x, qw[:n_rows], scales[:n_rows], zs, bits, group, cfg)
 
 
 @pytest.mark.gpu
@@ -345,6 +351,58 @@ def test_words_kernel_whole_tiles(bits: int, group: int | None, sym: bool, prefe
             pt_err = (same.double() - ref).abs().max().item()
             floor = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1.0)
             assert err <= 2 * pt_err + floor, (dtype, block_k, split, err, pt_err)
+
+
+@pytest.mark.parametrize(
+    "bits, group, sym", [(4, 16, False), (4, 64, True), (4, None, False), (8, None, True), (8, 32, False)]
+)
+@pytest.mark.parametrize("N, K", [(32, 256), (40, 192)])  # whole tiles (``EVEN`` for 4 bits); masked rows and K
+def test_wide_words_kernel(bits: int, group: int | None, sym: bool, N: int, K: int) -> None:
+    """The word kernel over int64 elements of two words (``wide``), with the codes' cache policy (``evict``) and the
+    row strides compiled in (``fixed_strides``): groups of one element (16 int4 codes), tiles spanning groups and
+    inside one, per-channel codes, split-K, the double-buffered loop, against the float64 reference by the rule."""
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig
+
+    qw, scales, zeros = _weights(N, K, bits, group, sym, seed=bits + N)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(1, K, generator=torch.Generator().manual_seed(K)).to(DEVICE, dtype)
+        launches = ((32, 1, True, True), (64, 2, False, True), (16, 1, False, False), (128, 1, True, False))
+        for block_k, split, prefetch, fixed in launches:
+            if block_k % (64 // bits) or (group and group % block_k and block_k % group):
+                continue
+            cfg = KernelConfig(
+                "words", 1, 16, block_k, split, 4, 1, True, prefetch=prefetch, wide=True, evict=fixed,
+                fixed_strides=fixed,
+            )  # fmt: skip
+            _assert_launch_within_rule(x, qw, scales, zeros, bits, group, cfg)
+
+
+def test_wide_word_candidates_run() -> None:
+    """Every wide word-kernel launch the batch-1 tuner tries for 4-bit codes (without inline PTX, as on the CPU)
+    takes the shape and is within the rule."""
+    from lightning_llmopt.kernels.quant_matmul_tune import candidate_configs
+
+    N, K, group = 16, 2048, 128
+    qw, scales, _ = _weights(N, K, 4, group, True, seed=5)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.float16)
+    wide = [c for c in candidate_configs(1, K, group, wide_words=True) if c.wide]
+    assert len(wide) >= 4 and not any(c.wide for c in candidate_configs(1, K, group))
+    for cfg in wide:
+        _assert_launch_within_rule(x, qw, scales, None, 4, group, cfg)
+
+
+def test_words_and_tiles_refused() -> None:
+    """A wide element takes two whole words: an odd number of words per row is refused, not misread."""
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
+    from lightning_llmopt.quantization.packing import as_kernel_bytes
+
+    qw, scales, _ = _weights(8, 72, 4, None, True, seed=0)  # 9 int32 words a row
+    x = torch.randn(1, 72).to(DEVICE)
+    with pytest.raises(ValueError, match="whole 64-bit elements"):
+        launch(x, as_kernel_bytes(qw, 4, 72), scales, None, 4, 0, KernelConfig("words", 1, 8, 16, wide=True))
+    # 4-bit tensor-core tiles of 16 columns are refused too (two 8-column halves: wrong products on a GPU)
+    with pytest.raises(ValueError, match="BLOCK_K >= 32"):
+        launch(x, as_kernel_bytes(qw, 4, 72), scales, None, 4, 0, KernelConfig("mma", 16, 16, 16))
 
 
 @pytest.mark.parametrize("kind", ["mma", "mma_t"])
