@@ -149,8 +149,8 @@ def _x_columns4(xt, BLOCK_W: tl.constexpr):
 @triton.jit
 def _word_codes(words, BITS: tl.constexpr, ASM: tl.constexpr):
     """The codes of each int32 word as fp32 ``OFFSET + q`` (:func:`_word_code`, or inline PTX: odd 4-bit codes
-    then come as ``16 (2048 + q)``, see :func:`_word_nibbles_asm`). One return at the end: a ``return`` inside a
-    compile-time branch does not end the function in Triton's frontend."""
+    then come as ``16 (2048 + q)``, see :func:`_word_nibbles_asm`). One return at the end: with a ``return`` in each
+    nested compile-time branch, Triton 3.9 compiled the 4-bit inline-PTX call to the 8-bit branch's four codes."""
     if BITS == 4:
         if ASM:
             codes = _word_nibbles_asm(words)
