@@ -244,9 +244,9 @@ def _words_part(words, xa, xb, zw, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, E
         codes_b = _word_codes((words >> 32).to(tl.int32), BITS, ASM)
     else:
         codes = _word_codes(words, BITS, ASM)
-        codes_b = codes
     xs, x_sum, x_fix = _word_x(xa, BITS, ASM, BLOCK_W)
-    xs_b, x_sum_b, x_fix_b = _word_x(xb, BITS, ASM, BLOCK_W)
+    if WIDE:
+        xs_b, x_sum_b, x_fix_b = _word_x(xb, BITS, ASM, BLOCK_W)
     if EXACT:
         part = (codes[0] - zw) * xs[0][None, :]
         for j in tl.static_range(1, CPW):
