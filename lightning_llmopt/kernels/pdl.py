@@ -1,8 +1,10 @@
 """Programmatic dependent launch (PDL, Hopper and later) for the decode-sized kernels.
 
 A kernel launched as a programmatic dependent may be scheduled while the kernel before it drains. Kernels that opt
-in (a ``PDL`` constexpr) call ``gdc_wait()`` (``griddepcontrol.wait``) before their first read or write of global
-memory, which makes every write of the kernel before them visible, and ``gdc_launch_dependents()`` to let the next
+in (a ``PDL`` constexpr) call ``gdc_wait()`` (``griddepcontrol.wait``) before their first write of global memory and
+before their first read of anything a kernel may have written, which makes every write of the kernel before them
+visible (the quantized word kernel reads its first tile of weights, which no kernel writes, before it waits, so that
+their latency overlaps the drain of the kernel before it), and ``gdc_launch_dependents()`` to let the next
 kernel be scheduled once every program of this one has called it: at their start for kernels of about one wave
 (the GEMVs, the quantized word kernel), after the main loop for kernels of several waves whose waiting dependents
 would otherwise take SM resources from the later waves (the quantized tensor-core kernel). Launchers pass

@@ -21,7 +21,9 @@ Two kernels, chosen per shape by :mod:`~lightning_llmopt.kernels.quant_matmul_tu
   quantization groups (scales then load per word), so ``BLOCK_K`` can be larger than the group and each program
   streams long rows. ``wide`` launches load int64 elements of two words (half the load and scale instructions,
   one chain of 16 int4 codes per element), optionally with the codes loaded evict-first and the row strides
-  compiled in (the tuner's pick for int4 at batch 1 on an H100).
+  compiled in (the tuner's pick for int4 at batch 1 on an H100). Launched as a programmatic dependent, it loads
+  its first tile's codes and scales (the layer's own, written by no kernel) before waiting for the kernel before
+  it, and only the activations after.
 
 Codes become floats with exact bit tricks rather than integer-to-float conversions (a quarter of the ALU rate on
 Hopper): ``0x4B000000 | q`` is the fp32 ``2**23 + q``, and subtracting ``2**23 + z`` leaves ``q - z`` exactly; in
@@ -226,6 +228,11 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         # unmasked loads where every tile is whole: 4 bits only (int8 ran 2-5% slower without the masks on an
         # H100, int4 up to 12% faster, same-process comparison 2026-11-26)
         even = bits == 4 and n % cfg.block_n == 0 and k % cfg.block_k == 0
+        # one K slice whose length is not a multiple of the tile (4096x11008: 5 tiles of 2048 codes and 768 more):
+        # whole tiles and one masked tile of the rest (``REM_W`` elements), if the tiles start groups
+        rem = k % cfg.block_k if splits == 1 and k > cfg.block_k and (group == 0 or cfg.block_k % group == 0) else 0
+        rem_w = triton.next_power_of_2(rem // cpe) if rem and bits == 4 and n % cfg.block_n == 0 else 0
+        even = even or rem_w > 0
         # fmt: off
         tiles = triton.cdiv(n, cfg.block_n)
         counters = _split_counters(x.device, tiles) if fixup else y
@@ -235,7 +242,7 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
             TILE_SCALE=group > 0 and group % cfg.block_k == 0, EXACT=x.dtype == torch.float32, ASM=cfg.asm,
             PREFETCH=cfg.prefetch, EVEN=even, PDL=pdl, WIDE=cfg.wide, EVICT=cfg.evict,
             ROW_W=words.stride(0) if cfg.fixed_strides else 0, ROW_S=scales.stride(0) if cfg.fixed_strides else 0,
-            BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // cpe,
+            BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_k // cpe, REM_W=rem_w,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl),
         )
         # fmt: on

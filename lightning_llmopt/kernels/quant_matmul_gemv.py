@@ -186,12 +186,11 @@ def _word_x(xt, BITS: tl.constexpr, ASM: tl.constexpr, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _words_load(w_rows, s_ptrs, z_ptrs, X, k0, offs_w, col_g, x_cols, words_end, zero, n_mask, GROUP: tl.constexpr,
+def _codes_load(w_rows, s_ptrs, z_ptrs, k0, offs_w, col_g, words_end, zero, n_mask, GROUP: tl.constexpr,
                 HAS_ZERO: tl.constexpr, TILE_SCALE: tl.constexpr, OFFSET: tl.constexpr, EVEN: tl.constexpr,
-                EVICT: tl.constexpr, WIDE: tl.constexpr, CPW: tl.constexpr, CPE: tl.constexpr):
-    """The loads of the K tile at ``k0``: the code elements, their scales and zero points (``OFFSET + z``, per
-    element, per tile (``TILE_SCALE``), or ``zero``: per-channel or symmetric) and activations (``xb``: those of a
-    wide element's second word)."""
+                EVICT: tl.constexpr, CPE: tl.constexpr):
+    """The layer's loads of the K tile at ``k0``: the code elements, their scales and zero points (``OFFSET + z``,
+    per element, per tile (``TILE_SCALE``), or ``zero``: per-channel or symmetric)."""
     kw = (k0 // CPE + offs_w).to(tl.uint32)
     w_mask = kw < words_end
     tile_mask = n_mask[:, None] & w_mask[None, :]
@@ -222,14 +221,23 @@ def _words_load(w_rows, s_ptrs, z_ptrs, X, k0, offs_w, col_g, x_cols, words_end,
             if HAS_ZERO:
                 zw = tl.load(z_ptrs + g, mask=g_mask, other=0).to(tl.float32) + OFFSET
             s = tl.load(s_ptrs + g, mask=g_mask, other=0.0).to(tl.float32)
+    return words, s, zw
+
+
+@triton.jit
+def _x_load(X, k0, offs_w, x_cols, words_end, EVEN: tl.constexpr, WIDE: tl.constexpr, CPW: tl.constexpr,
+            CPE: tl.constexpr):
+    """The activations of the K tile at ``k0`` (``xb``: those of a wide element's second word)."""
+    kw = (k0 // CPE + offs_w).to(tl.uint32)
     x_ptrs = X + (kw[:, None] * CPE + x_cols)
     if EVEN:
         xa = tl.load(x_ptrs)
         xb = tl.load(x_ptrs + CPW) if WIDE else xa
     else:
+        w_mask = kw < words_end
         xa = tl.load(x_ptrs, mask=w_mask[:, None], other=0.0)
         xb = tl.load(x_ptrs + CPW, mask=w_mask[:, None], other=0.0) if WIDE else xa
-    return words, s, zw, xa, xb
+    return xa, xb
 
 
 @triton.jit
@@ -272,6 +280,49 @@ def _words_part(words, xa, xb, zw, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, E
     return part
 
 
+@triton.jit
+def _words_step(acc, words, s, zw, xa, xb, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                EXACT: tl.constexpr, ASM: tl.constexpr, WIDE: tl.constexpr, OFFSET: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """``acc`` plus one K tile's products, scaled per group."""
+    part = _words_part(words, xa, xb, zw, BITS, HAS_ZERO, EXACT, ASM, WIDE, OFFSET, BLOCK_N, BLOCK_W)
+    if GROUP == 0:
+        return acc + part
+    return acc + part * s
+
+
+@triton.jit
+def _words_tiles(words, s, zw, xa, xb, w_rows, s_ptrs, z_ptrs, X, k_start, k_main, offs_w, col_g, x_cols, words_end,
+                 zero, n_mask, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+                 EVEN: tl.constexpr, EVICT: tl.constexpr, WIDE: tl.constexpr, OFFSET: tl.constexpr,
+                 CPW: tl.constexpr, CPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The ``(BLOCK_N, BLOCK_W)`` partial sums of the tiles from ``k_start`` to ``k_main``, the first tile's loads
+    given (``words`` ... ``xb``)."""
+    STEP: tl.constexpr = BLOCK_W * CPE
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    if PREFETCH:  # register double-buffering: the next tile's loads are in flight while this one is computed
+        for k0 in range(k_start, k_main, STEP):
+            k1 = k0 + STEP  # past the end on the last step: masked or (EVEN) clamped to the last whole tile
+            if EVEN:
+                k1 = tl.minimum(k1, k_main - STEP)
+            words1, s1, zw1 = _codes_load(w_rows, s_ptrs, z_ptrs, k1, offs_w, col_g, words_end, zero, n_mask, GROUP,
+                                          HAS_ZERO, TILE_SCALE, OFFSET, EVEN, EVICT, CPE)
+            xa1, xb1 = _x_load(X, k1, offs_w, x_cols, words_end, EVEN, WIDE, CPW, CPE)
+            acc = _words_step(acc, words, s, zw, xa, xb, BITS, GROUP, HAS_ZERO, EXACT, ASM, WIDE, OFFSET, BLOCK_N,
+                              BLOCK_W)
+            words, s, zw, xa, xb = words1, s1, zw1, xa1, xb1
+    else:  # the first tile, then each tile's loads and products in turn
+        acc = _words_step(acc, words, s, zw, xa, xb, BITS, GROUP, HAS_ZERO, EXACT, ASM, WIDE, OFFSET, BLOCK_N, BLOCK_W)
+        for k0 in range(k_start + STEP, k_main, STEP):
+            words, s, zw = _codes_load(w_rows, s_ptrs, z_ptrs, k0, offs_w, col_g, words_end, zero, n_mask, GROUP,
+                                       HAS_ZERO, TILE_SCALE, OFFSET, EVEN, EVICT, CPE)
+            xa, xb = _x_load(X, k0, offs_w, x_cols, words_end, EVEN, WIDE, CPW, CPE)
+            acc = _words_step(acc, words, s, zw, xa, xb, BITS, GROUP, HAS_ZERO, EXACT, ASM, WIDE, OFFSET, BLOCK_N,
+                              BLOCK_W)
+    return acc
+
+
 @triton.jit(do_not_specialize=["stride_wn"])
 def _qmv_words_kernel(
     X, W, S, Z, Y, P, C,
@@ -280,12 +331,11 @@ def _qmv_words_kernel(
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, FIXUP: tl.constexpr,
     TILE_SCALE: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
     PDL: tl.constexpr, WIDE: tl.constexpr, EVICT: tl.constexpr, ROW_W: tl.constexpr, ROW_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, REM_W: tl.constexpr,
 ):
     # fmt: on
-    if PDL:  # a programmatic dependent (kernels.pdl): nothing is read or written before the wait
+    if PDL:  # a programmatic dependent (kernels.pdl): the next kernel may be scheduled once every program started
         gdc_launch_dependents()
-        gdc_wait()
     # Layout: the element loads are left unvectorized (``stride_wn`` is not specialized, so no row is known to be
     # 16-byte aligned), which gives each thread whole elements (an int32 word, or ``WIDE`` an int64 of two), one
     # per row of its rows; the activations are loaded as ``(BLOCK_W, CPW)`` rows of 8 or 16 contiguous bytes (two
@@ -297,8 +347,10 @@ def _qmv_words_kernel(
     CPE: tl.constexpr = CPW * 2 if WIDE else CPW  # codes per loaded element
     OFFSET: tl.constexpr = 128 if BITS == 4 else 32768 if ASM else 256
     # Addresses: unsigned element indices (no sign extension) added to per-row pointers, group indices by a shift;
-    # ``EVEN`` (every row and every K tile whole) drops the masks. ``ROW_W``/``ROW_S`` > 0 are the row strides as
-    # compile-time constants: the rows of a program are then immediate offsets from one address per step.
+    # ``EVEN`` (every row and every K tile whole) drops the masks; with ``REM_W`` > 0 (one K slice whose length is
+    # not a multiple of the tile, tiles that start groups) every tile but the last is whole, and the rest of the
+    # row is one masked tile of ``REM_W`` elements, loaded at the start. ``ROW_W``/``ROW_S`` > 0 are the row
+    # strides as compile-time constants: the rows of a program are then immediate offsets from one address per step.
     GE: tl.constexpr = GROUP // CPE if GROUP > 0 else 1  # elements per quantization group
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -318,37 +370,40 @@ def _qmv_words_kernel(
     k_end = tl.minimum(k_start + K_SPLIT, K)
     words_end = k_end // CPE
     STEP: tl.constexpr = BLOCK_W * CPE
+    if REM_W > 0:
+        k_main = k_end - (k_end - k_start) % STEP  # the end of the whole tiles
+    else:
+        k_main = k_end
     zero = tl.full((BLOCK_N,), (1 << (BITS - 1)) + OFFSET, tl.float32)  # symmetric: OFFSET + 2**(bits-1)
     if GROUP == 0:
         if HAS_ZERO:
             zero = tl.load(Z + s_rows, mask=n_mask, other=0).to(tl.float32) + OFFSET
     s_ptrs = S + s_rows[:, None]
     z_ptrs = Z + s_rows[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-    if PREFETCH:  # register double-buffering: the next tile's loads are in flight while this one is computed
-        words, s, zw, xa, xb = _words_load(
-            w_rows, s_ptrs, z_ptrs, X, k_start, offs_w, col_g, x_cols, words_end, zero, n_mask, GROUP, HAS_ZERO,
-            TILE_SCALE, OFFSET, EVEN, EVICT, WIDE, CPW, CPE)
-    for k0 in range(k_start, k_end, STEP):
-        if PREFETCH:
-            k1 = k0 + STEP  # past the end on the last step: masked or (EVEN) clamped to the last tile
-            if EVEN:
-                k1 = tl.minimum(k1, k_end - STEP)
-        else:
-            k1 = k0
-        words1, s1, zw1, xa1, xb1 = _words_load(
-            w_rows, s_ptrs, z_ptrs, X, k1, offs_w, col_g, x_cols, words_end, zero, n_mask, GROUP, HAS_ZERO, TILE_SCALE,
-            OFFSET, EVEN, EVICT, WIDE, CPW, CPE)
-        if not PREFETCH:
-            words, s, zw, xa, xb = words1, s1, zw1, xa1, xb1
-        part = _words_part(words, xa, xb, zw, BITS, HAS_ZERO, EXACT, ASM, WIDE, OFFSET, BLOCK_N, BLOCK_W)
-        if GROUP == 0:
-            acc += part
-        else:
-            acc += part * s
-        if PREFETCH:
-            words, s, zw, xa, xb = words1, s1, zw1, xa1, xb1
+    # The first tile's codes, scales and zero points are the layer's own (no kernel writes them), so a programmatic
+    # dependent loads them before it waits for the kernel before it: their latency overlaps that kernel's drain.
+    # Nothing else is read (the activations are that kernel's output) or written before the wait.
+    words, s, zw = _codes_load(w_rows, s_ptrs, z_ptrs, k_start, offs_w, col_g, words_end, zero, n_mask, GROUP,
+                               HAS_ZERO, TILE_SCALE, OFFSET, EVEN, EVICT, CPE)
+    if REM_W > 0:  # the short last tile, masked, in flight from the start (its latency is not left to the end)
+        offs_r = tl.arange(0, REM_W)
+        words_r, s_r, zw_r = _codes_load(w_rows, s_ptrs, z_ptrs, k_main, offs_r, (offs_r // GE).to(tl.uint32),
+                                         words_end, zero, n_mask, GROUP, HAS_ZERO, False, OFFSET, False, EVICT, CPE)
+    if PDL:
+        gdc_wait()
+    xa, xb = _x_load(X, k_start, offs_w, x_cols, words_end, EVEN, WIDE, CPW, CPE)
+    if REM_W > 0:
+        xa_r, xb_r = _x_load(X, k_main, offs_r, x_cols, words_end, False, WIDE, CPW, CPE)
+    acc = _words_tiles(
+        words, s, zw, xa, xb, w_rows, s_ptrs, z_ptrs, X, k_start, k_main, offs_w, col_g, x_cols, words_end, zero,
+        n_mask, BITS, GROUP, HAS_ZERO, TILE_SCALE, EXACT, ASM, PREFETCH, EVEN, EVICT, WIDE, OFFSET, CPW, CPE,
+        BLOCK_N, BLOCK_W)
     out = tl.sum(acc, axis=1)
+    if REM_W > 0:
+        acc_r = tl.zeros((BLOCK_N, REM_W), dtype=tl.float32)
+        acc_r = _words_step(acc_r, words_r, s_r, zw_r, xa_r, xb_r, BITS, GROUP, HAS_ZERO, EXACT, ASM, WIDE, OFFSET,
+                            BLOCK_N, REM_W)
+        out += tl.sum(acc_r, axis=1)
     if GROUP == 0:
         out = out * tl.load(S + s_rows, mask=n_mask, other=0.0).to(tl.float32)
     if FIXUP:

@@ -377,6 +377,23 @@ def test_wide_words_kernel(bits: int, group: int | None, sym: bool, N: int, K: i
             _assert_launch_within_rule(x, qw, scales, zeros, bits, group, cfg)
 
 
+@pytest.mark.parametrize("group, sym", [(16, False), (64, True), (None, False), (None, True)])
+@pytest.mark.parametrize("wide", [False, True])
+def test_words_kernel_remainder_tile(group: int | None, sym: bool, wide: bool) -> None:
+    """4-bit codes, whole row blocks, one K slice longer than the tile but not a multiple of it (as 11008 codes in
+    tiles of 2048): whole tiles without masks and the rest of the row as one masked tile, with and without the
+    double-buffered loop, against the float64 reference by the tolerance rule."""
+    from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig
+
+    N, K = 32, 320  # tiles of 128 codes leave 64, tiles of 256 leave 64
+    qw, scales, zeros = _weights(N, K, 4, group, sym, seed=K + (group or 0))
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(1, K, generator=torch.Generator().manual_seed(11)).to(DEVICE, dtype)
+        for block_k, prefetch in ((128, False), (128, True), (256, False)):
+            cfg = KernelConfig("words", 1, 16, block_k, 1, 4, 1, True, prefetch=prefetch, wide=wide, evict=wide)
+            _assert_launch_within_rule(x, qw, scales, zeros, 4, group, cfg)
+
+
 def test_wide_word_candidates_run() -> None:
     """Every wide word-kernel launch the batch-1 tuner tries for 4-bit codes (without inline PTX, as on the CPU)
     takes the shape and is within the rule."""
