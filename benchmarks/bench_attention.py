@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -62,6 +63,18 @@ def _variants(causal: bool, S: int, D: int):  # type: ignore[no-untyped-def]
     def ours(q, k, v):  # type: ignore[no-untyped-def]
         return flash_attention(q, k, v, causal=causal, backend="triton")
 
+    def ours_ws(q, k, v):  # type: ignore[no-untyped-def]
+        # the warp-specialized Gluon forward (opt-in, Hopper): kernels/flash_attention_fwd_ws.py
+        previous = os.environ.get("LLMOPT_FLASH_FWD")
+        os.environ["LLMOPT_FLASH_FWD"] = "ws"
+        try:
+            return flash_attention(q, k, v, causal=causal, backend="triton")
+        finally:
+            if previous is None:
+                del os.environ["LLMOPT_FLASH_FWD"]
+            else:
+                os.environ["LLMOPT_FLASH_FWD"] = previous
+
     def sdpa(backend):  # type: ignore[no-untyped-def]
         def fn(q, k, v):  # type: ignore[no-untyped-def]
             with sdpa_kernel(backend):
@@ -77,6 +90,7 @@ def _variants(causal: bool, S: int, D: int):  # type: ignore[no-untyped-def]
 
     return {
         "ours": (ours, "bshd"),
+        "ours-ws": (ours_ws, "bshd"),  # only when named in --only
         "sdpa-flash": (sdpa(SDPBackend.FLASH_ATTENTION), "bhsd"),
         "sdpa-cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION), "bhsd"),
         "flex": (flex, "bhsd"),
@@ -98,7 +112,7 @@ def family_dense(D: int, seqs: tuple[int, ...] = SEQS, only: tuple[str, ...] | N
             g = torch.Generator(device="cuda").manual_seed(S)
             base = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
             for name, (fn, layout) in _variants(causal, S, D).items():
-                if only is not None and name not in only:
+                if (only is not None and name not in only) or (only is None and name == "ours-ws"):
                     continue
                 ts = base if layout == "bshd" else [t.transpose(1, 2) for t in base]
                 q, k, v = (t.detach().requires_grad_() for t in ts[:3])

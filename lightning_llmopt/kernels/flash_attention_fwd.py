@@ -15,9 +15,14 @@ One program owns ``BLOCK_M`` queries of one (sequence, head) and streams the vis
 A row with no visible key keeps ``m = -inf``; the subtraction uses 0 instead, so it ends with ``l = 0``, output 0
 and ``lse = -inf``, never NaN. GQA: query head ``h`` reads key/value head ``h // (H // H_kv)``; nothing is repeated.
 Head dims that are not powers of two are padded to ``BLOCK_D`` lanes, masked on load and store.
+
+``LLMOPT_FLASH_FWD=ws`` sends the dense fp16/bf16 calls with head dim 64 or 128 on a Hopper GPU to the
+warp-specialized Gluon forward instead (:mod:`~lightning_llmopt.kernels.flash_attention_fwd_ws`).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -200,6 +205,11 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scal
     (``({BLOCK_M, BLOCK_N}, num_warps, num_stages)``) bypasses autotuning: benchmarks/sweep_attention.py times
     candidate configurations with it.
     """
+    if config is None and q.is_cuda and os.environ.get("LLMOPT_FLASH_FWD") == "ws":  # opt-in (module docstring)
+        from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
+
+        if ws.ws_supported(q, k, v, geo, window):
+            return ws.ws_fwd(q, k, v, geo, causal, scale)
     out = torch.empty_like(q)
     lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
     args = (
