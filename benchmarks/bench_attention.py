@@ -63,10 +63,11 @@ def _variants(causal: bool, S: int, D: int):  # type: ignore[no-untyped-def]
     def ours(q, k, v):  # type: ignore[no-untyped-def]
         return flash_attention(q, k, v, causal=causal, backend="triton")
 
-    def ours_ws(q, k, v):  # type: ignore[no-untyped-def]
-        # the warp-specialized Gluon forward (opt-in, Hopper): kernels/flash_attention_fwd_ws.py
+    def ours_triton(q, k, v):  # type: ignore[no-untyped-def]
+        # the Triton forward everywhere (on Hopper "ours" takes the warp-specialized Gluon forward where it measured
+        # faster: kernels/flash_attention_fwd_ws.py), to show what that choice gains in the same run
         previous = os.environ.get("LLMOPT_FLASH_FWD")
-        os.environ["LLMOPT_FLASH_FWD"] = "ws"
+        os.environ["LLMOPT_FLASH_FWD"] = "triton"
         try:
             return flash_attention(q, k, v, causal=causal, backend="triton")
         finally:
@@ -90,7 +91,7 @@ def _variants(causal: bool, S: int, D: int):  # type: ignore[no-untyped-def]
 
     return {
         "ours": (ours, "bshd"),
-        "ours-ws": (ours_ws, "bshd"),  # only when named in --only
+        "ours-triton": (ours_triton, "bshd"),
         "sdpa-flash": (sdpa(SDPBackend.FLASH_ATTENTION), "bhsd"),
         "sdpa-cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION), "bhsd"),
         "flex": (flex, "bhsd"),
@@ -112,7 +113,7 @@ def family_dense(D: int, seqs: tuple[int, ...] = SEQS, only: tuple[str, ...] | N
             g = torch.Generator(device="cuda").manual_seed(S)
             base = [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
             for name, (fn, layout) in _variants(causal, S, D).items():
-                if (only is not None and name not in only) or (only is None and name == "ours-ws"):
+                if only is not None and name not in only:
                     continue
                 ts = base if layout == "bshd" else [t.transpose(1, 2) for t in base]
                 q, k, v = (t.detach().requires_grad_() for t in ts[:3])
@@ -434,15 +435,19 @@ def write(result: dict, out_dir: str | None) -> None:
 
 
 def render(directory: str | None = None) -> str:
-    """Markdown tables (docs/flash_attention.md) from the attention-*.json records: the newest record of each
-    family (records of several GPUs can coexist), and the parity record of every GPU."""
+    """Markdown tables (docs/flash_attention.md) from the attention-*.json records: the dense families and the
+    GPU correctness check per GPU (each GPU's newest record), the packed and window families' newest record, and
+    the parity record of every GPU."""
     every = [r for r in records.load_records(directory) if r.get("benchmark") == "attention"]
     recs: dict[str, dict] = {}
+    per_gpu: dict[tuple[str, str], dict] = {}
     for r in sorted(every, key=lambda r: r["date"]):
         recs[r["name"]] = r
+        per_gpu[(r["name"], r["env"]["device"])] = r
+    gpus = sorted({gpu for _, gpu in per_gpu})
     lines = []
-    for D in (128, 64):
-        main_rec, flex_rec = recs.get(f"attention-hd{D}"), recs.get(f"attention-hd{D}-flex")
+    for D, gpu in ((D, gpu) for D in (128, 64) for gpu in gpus):
+        main_rec, flex_rec = per_gpu.get((f"attention-hd{D}", gpu)), per_gpu.get((f"attention-hd{D}-flex", gpu))
         if main_rec is None:
             continue
         peers = list(main_rec["peers"])
@@ -452,13 +457,18 @@ def render(directory: str | None = None) -> str:
             peers = [p for p in peers if not (p["variant"] == "flex" and (p["S"], p["causal"]) in redo)]
             peers += flex_rec["peers"]
         lines += [
-            f"### head dim {D}, H = {2048 // D}, B*S = 16k, bf16, {main_rec['env']['device']}",
+            f"### head dim {D}, H = {2048 // D}, B*S = 16k, bf16, {gpu} ({main_rec['date'][:10]})",
             "",
-            "| S | causal | ours fwd / bwd TF/s | SDPA-flash | FlexAttention | SDPA-cuDNN |",
-            "|---|---|---|---|---|---|",
+            "| S | causal | ours fwd / bwd TF/s | ours, Triton forward: fwd TF/s | SDPA-flash | FlexAttention | "
+            "SDPA-cuDNN |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for o in main_rec["results"]:
-            cells = [str(o["S"]), "yes" if o["causal"] else "no", f"{o['fwd_tflops']:.0f} / {o['bwd_tflops']:.0f}"]
+        for o in (r for r in main_rec["results"] if r["variant"] == "ours"):
+            tri = next((r for r in main_rec["results"] if r["variant"] == "ours-triton" and r["S"] == o["S"]
+                        and r["causal"] == o["causal"]), None)  # fmt: skip
+            gain = "-" if tri is None else f"{tri['fwd_tflops']:.0f} (ours {tri['fwd_ms'] / o['fwd_ms']:.2f}x)"
+            tflops = f"{o['fwd_tflops']:.0f} / {o['bwd_tflops']:.0f}"
+            cells = [str(o["S"]), "yes" if o["causal"] else "no", tflops, gain]
             for v in ("sdpa-flash", "flex", "sdpa-cudnn"):
                 p = next(
                     (p for p in peers if p["variant"] == v and p["S"] == o["S"] and p["causal"] == o["causal"]), None
@@ -524,8 +534,7 @@ def render(directory: str | None = None) -> str:
             cell = lambda r: "-" if r is None else f"{r['fwd_ms']:.3f} / {r['fwd_bwd_ms']:.3f}"  # noqa: E731
             lines.append(f"| {w} | {cell(o)} | {cell(f)} |")
         lines.append("")
-    chk = recs.get("attention-check")
-    if chk is not None:
+    for chk in (per_gpu[("attention-check", gpu)] for gpu in gpus if ("attention-check", gpu) in per_gpu):
         lines += [
             f"### bf16 correctness on the GPU ({chk['env']['device']}): max error vs fp64 (in brackets: its ratio to"
             " plain PyTorch bf16 error; the rule allows 2x)",

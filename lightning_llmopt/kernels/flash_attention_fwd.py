@@ -16,8 +16,9 @@ A row with no visible key keeps ``m = -inf``; the subtraction uses 0 instead, so
 and ``lse = -inf``, never NaN. GQA: query head ``h`` reads key/value head ``h // (H // H_kv)``; nothing is repeated.
 Head dims that are not powers of two are padded to ``BLOCK_D`` lanes, masked on load and store.
 
-``LLMOPT_FLASH_FWD=ws`` sends the dense fp16/bf16 calls with head dim 64 or 128 on a Hopper GPU to the
-warp-specialized Gluon forward instead (:mod:`~lightning_llmopt.kernels.flash_attention_fwd_ws`).
+On a Hopper GPU, dense fp16/bf16 calls with head dim 64 or 128 go to the warp-specialized Gluon forward instead
+where it measured faster (:mod:`~lightning_llmopt.kernels.flash_attention_fwd_ws`; ``LLMOPT_FLASH_FWD=triton``
+keeps them here).
 """
 
 from __future__ import annotations
@@ -197,6 +198,17 @@ def _tuned_fwd_kernel():  # type: ignore[no-untyped-def]
 _CHOSEN = ChosenConfigs(_tuned_fwd_kernel)
 
 
+def _ws_plan(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, window: int | None):  # type: ignore[no-untyped-def]
+    """The warp-specialized forward's launch for this call, or ``None`` (also where this Triton has no Gluon)."""
+    if os.environ.get("LLMOPT_FLASH_FWD") == "triton":
+        return None
+    try:
+        from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return None
+    return ws.ws_plan(q, k, v, geo, causal, window)
+
+
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: float,
               window: int | None, config: LaunchConfig | None = None) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Shapes as :mod:`lightning_llmopt.kernels.flash_attention` (dense or packed).
@@ -205,11 +217,12 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scal
     (``({BLOCK_M, BLOCK_N}, num_warps, num_stages)``) bypasses autotuning: benchmarks/sweep_attention.py times
     candidate configurations with it.
     """
-    if config is None and q.is_cuda and os.environ.get("LLMOPT_FLASH_FWD") == "ws":  # opt-in (module docstring)
-        from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
+    if config is None and q.is_cuda:
+        plan = _ws_plan(q, k, v, geo, causal, window)
+        if plan is not None:
+            from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
 
-        if ws.ws_supported(q, k, v, geo, window):
-            return ws.ws_fwd(q, k, v, geo, causal, scale)
+            return ws.ws_fwd(q, k, v, geo, causal, scale, plan)
     out = torch.empty_like(q)
     lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
     args = (

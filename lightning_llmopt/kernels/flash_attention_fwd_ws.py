@@ -1,30 +1,40 @@
-"""A warp-specialized flash-attention forward for Hopper (sm_90) in Gluon, FA3's structure (opt-in).
+"""A warp-specialized flash-attention forward for Hopper (sm_90) in Gluon, FA3's structure.
 
-One program per 128 query rows of one (sequence, head), in three partitions:
+One program per ``64 NCONS`` query rows of one (sequence, head), in ``NCONS + 1`` partitions:
 
-- two consumers of one warpgroup (4 warps) each, on query rows ``[0, 64)`` and ``[64, 128)`` of the block: per key
-  tile ``s = q k^T`` (asynchronous WGMMA, both operands in shared memory), the online softmax in registers (masks
-  only on the causal diagonal and the ragged end), ``o += p v`` with ``p`` as the register operand, then the
-  release of the stage;
-- one loader warp: TMA copies of the two query halves, then of each key/value tile into a ring of ``STAGES`` stages,
-  behind mbarriers (``ready``: the bytes landed; ``empty``: both consumers released the stage).
+- ``NCONS`` (2 or 3) consumers of one warpgroup (4 warps) each, on 64 query rows of the block: per key tile
+  ``s = q k^T`` (asynchronous WGMMA, both operands in shared memory), the online softmax in registers (masks only
+  on the causal diagonal and the ragged end), ``o += p v`` with ``p`` as the register operand, then the release of
+  the stage;
+- one loader warp: TMA copies of the query rows, then of each key/value tile into a ring of ``STAGES`` stages,
+  behind mbarriers (``ready``: the bytes landed; ``empty``: every consumer released the stage).
 
-The two consumers run the same loop independently, so one's softmax runs while the other's products occupy the
-tensor cores; register budgets are moved from the loader (24 a thread) to the consumers (240) with ``setmaxnreg``.
+In the plain schedule the consumers run the same loop independently, so one's softmax runs while another's products
+occupy the tensor cores. The ping-pong schedule (``PP``) makes that explicit: each consumer issues ``o += p_{j-1}
+v_{j-1}`` and ``s_j = q k_j^T`` together, only in its turn, handed round the consumers on named barriers (ids 8..10,
+above the ones Triton gives the partitions), and runs its softmax while the next consumer's products run.
+Register budgets move from the loader (24 a thread) to the consumers with ``setmaxnreg``.
+
+Which schedule, if any, takes a call (:func:`ws_plan`) comes from sweeps on an H100 and an H200 (B*S = 16k,
+H*D = 2048, S 1k..16k, 2026-11-27; docs/flash_attention.md). Head dim 128: two consumers, plain, 1.1-1.4x the
+Triton forward from S = 2048 (and without a mask at 1024); at S = 1024 under the causal mask its GPU time is only
+about 7% lower while its launch costs more host time (three TMA descriptors, Gluon's launcher), so the Triton
+forward keeps that call. Head dim 64: three consumers, ping-pong without a mask (1.05-1.25x from S = 2048, a tie
+at 1024) and plain with the causal one (ahead only from S = 8192).
+``LLMOPT_FLASH_FWD`` overrides the choice: ``triton`` never takes this kernel, ``ws`` takes it wherever it applies.
 
 Dense inputs only, in one of two layouts per tensor, viewed as 2-D row-major matrices for the TMA descriptors:
 ``(B, S, H, D)`` contiguous (rows ``b S + s``, columns ``h D + d``) or ``(B, H, S, D)`` storage seen through a
 transposed view (rows ``(b H + h) S + s``). Rows of a tile past the sequence are read from the next sequence or
 head (zero-filled past the tensor) and masked, so their probabilities are exactly 0. Outputs are written with
 ordinary stores through ``out``'s strides; ``lse`` is natural-log, ``-inf`` and output 0 on a row that sees no key.
-
-Selected by ``LLMOPT_FLASH_FWD=ws`` (:func:`ws_supported` says where it applies); measured against the Triton
-forward and SDPA-cuDNN in docs/flash_attention.md.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -45,10 +55,25 @@ from lightning_llmopt.kernels.flash_attention_common import Geometry
 # TMA copy into shared memory: ``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _LOG2E = 1.4426950408889634
-# (BLOCK_N, STAGES) by head dim: the best of an H100 sweep at hd128 (B*S = 16k, S 1k..16k, 2026-11-27); hd64 not
-# yet swept
-_LAUNCH = {64: (128, 3), 128: (128, 2)}
-_MAXNREG = 168  # 12 warps a program (three warpgroups) x 168 registers fit the register file
+
+
+class WsPlan(NamedTuple):
+    """A launch of the warp-specialized forward: consumer warpgroups, ping-pong, key tile, stages, registers."""
+
+    consumers: int
+    pingpong: bool
+    block_n: int
+    stages: int
+    maxnreg: int  # what every warp starts with: (consumers + 1) warpgroups of 128 threads share 64k registers
+    consumer_regs: int
+
+
+_HD128 = WsPlan(2, False, 128, 2, 168, 240)
+_HD64 = WsPlan(3, True, 128, 3, 128, 160)
+_HD64_CAUSAL = WsPlan(3, False, 128, 3, 128, 160)
+# the shortest key length each (head dim, causal) takes this kernel from (module docstring)
+_FROM = {(128, False): 0, (128, True): 2048, (64, False): 2048, (64, True): 8192}
+_NAMED_BAR0 = gl.constexpr(8)  # the ping-pong's named barriers: 8 + consumer
 
 
 @gluon.jit
@@ -74,26 +99,25 @@ def _softmax_tile(s, m_i, l_i, start_n, row0, seq_k, q_off, full_hi, qk_scale, B
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb,
-              stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, HALF: gl.constexpr, HEAD_D: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Query rows ``[64 HALF, 64 HALF + 64)`` of the block: the key tiles in order, then the output and ``lse``."""
-    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_N, 16])
-    MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, HEAD_D, 16])
+def _named_bar(bar_id: gl.constexpr, ARRIVE: gl.constexpr):
+    """``bar.arrive`` (``ARRIVE``) or ``bar.sync`` on named barrier ``bar_id``, counting two warpgroups' threads;
+    one element a thread, so each thread executes it once."""
+    ids = gl.full([128], bar_id, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
+    if ARRIVE:
+        gl.inline_asm_elementwise("bar.arrive $1, 256; mov.u32 $0, 0;", "=r,r", [ids], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync $1, 256; mov.u32 $0, 0;", "=r,r", [ids], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _plain_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, n_tiles, row0, seq_k, q_off, full_hi, qk_scale,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MMA_S: gl.constexpr,
+                MMA_O: gl.constexpr):
+    """Per key tile: ``s = q k^T``, softmax, ``o += p v``, each product retired before the next step."""
     OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
-    row0 = start_m + HALF * 64
-    q_off = seq_k - seq_q  # bottom-right alignment of the causal mask
-    full_hi = (seq_k // BLOCK_N) * BLOCK_N  # tiles below it need no mask
-    if IS_CAUSAL:
-        full_hi = gl.minimum(full_hi, ((row0 + q_off + 1) // BLOCK_N) * BLOCK_N)
-    q_h = q_smem.index(HALF)
     zero_s = gl.zeros([64, BLOCK_N], gl.float32, MMA_S)
-    o = gl.zeros([64, HEAD_D], gl.float32, MMA_O)
-    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_S))
-    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, MMA_S))
-    mbarrier.wait(q_bar, 0)
     for j in range(n_tiles):
         stage = j % STAGES
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
@@ -102,9 +126,85 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, 
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, seq_k, q_off, full_hi, qk_scale,
                                            BLOCK_N, IS_CAUSAL, MMA_S)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, MMA_O))[:, None]
-        o = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), OP_A), v_bufs.index(stage), o, is_async=True)
+        o = warpgroup_mma(gl.convert_layout(p.to(q_h.dtype), OP_A), v_bufs.index(stage), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         mbarrier.arrive(empty.index(stage), count=1)
+    return o, m_i, l_i
+
+
+@gluon.jit
+def _pingpong_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, n_tiles, row0, seq_k, q_off, full_hi, qk_scale,
+                   ME: gl.constexpr, NCONS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, MMA_S: gl.constexpr, MMA_O: gl.constexpr):
+    """The ping-pong schedule (module docstring); needs ``n_tiles >= 1``. Consumer ``ME`` waits on barrier ``8 +
+    ME`` before issuing its products and arrives on the next consumer's after; consumer 0 opens the round itself
+    and the last consumer skips its final hand-off, so every barrier ends with as many arrivals as waits. No
+    product is in flight across a wait (ptxas would serialize every WGMMA of the kernel)."""
+    OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
+    MINE: gl.constexpr = _NAMED_BAR0 + ME
+    NEXT: gl.constexpr = _NAMED_BAR0 + (ME + 1) % NCONS
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, MMA_S)
+    if ME == 0:
+        _named_bar(MINE, True)
+    mbarrier.wait(ready.index(0), 0)
+    _named_bar(MINE, False)
+    s = warpgroup_mma(q_h, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    _named_bar(NEXT, True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, row0, seq_k, q_off, full_hi, qk_scale, BLOCK_N, IS_CAUSAL,
+                                       MMA_S)
+    p_op = gl.convert_layout(p.to(q_h.dtype), OP_A)
+    for j in range(1, n_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        _named_bar(MINE, False)
+        o = warpgroup_mma(p_op, v_bufs.index(prev), o, is_async=True)
+        s = warpgroup_mma(q_h, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        _named_bar(NEXT, True)
+        o, s = warpgroup_mma_wait(num_outstanding=0, deps=(o, s))
+        mbarrier.arrive(empty.index(prev), count=1)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, seq_k, q_off, full_hi, qk_scale,
+                                           BLOCK_N, IS_CAUSAL, MMA_S)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, MMA_O))[:, None]
+        p_op = gl.convert_layout(p.to(q_h.dtype), OP_A)
+    last = (n_tiles - 1) % STAGES
+    _named_bar(MINE, False)
+    o = warpgroup_mma(p_op, v_bufs.index(last), o, is_async=True)
+    if ME != NCONS - 1:
+        _named_bar(NEXT, True)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+    mbarrier.arrive(empty.index(last), count=1)
+    return o, m_i, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb,
+              stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, ME: gl.constexpr, NCONS: gl.constexpr,
+              PP: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr):
+    """Query rows ``[64 ME, 64 ME + 64)`` of the block: the key tiles in order, then the output and ``lse``."""
+    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 16])
+    MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, HEAD_D, 16])
+    row0 = start_m + ME * 64
+    q_off = seq_k - seq_q  # bottom-right alignment of the causal mask
+    full_hi = (seq_k // BLOCK_N) * BLOCK_N  # tiles below it need no mask
+    if IS_CAUSAL:
+        full_hi = gl.minimum(full_hi, ((row0 + q_off + 1) // BLOCK_N) * BLOCK_N)
+    q_h = q_smem.index(ME)
+    o = gl.zeros([64, HEAD_D], gl.float32, MMA_O)
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_S))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, MMA_S))
+    mbarrier.wait(q_bar, 0)
+    if PP:
+        if n_tiles > 0:  # the same for every consumer of the block, so the barriers stay matched
+            o, m_i, l_i = _pingpong_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, n_tiles, row0, seq_k, q_off,
+                                         full_hi, qk_scale, ME, NCONS, BLOCK_N, STAGES, IS_CAUSAL, MMA_S, MMA_O)
+    else:
+        o, m_i, l_i = _plain_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, n_tiles, row0, seq_k, q_off,
+                                  full_hi, qk_scale, BLOCK_N, STAGES, IS_CAUSAL, MMA_S, MMA_O)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, MMA_O))
     out = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     offs_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_O))
@@ -119,11 +219,11 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, q_col, k_row, k_col, v_row,
-            v_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The query halves once, then each key/value tile into the next free stage."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    _tma_load(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-    _tma_load(q_desc, [q_row + 64, q_col], q_bar, q_smem.index(1))
+            v_col, n_tiles, NCONS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The consumers' query rows once, then each key/value tile into the next free stage."""
+    mbarrier.expect(q_bar, NCONS * q_desc.block_type.nbytes)
+    for i in gl.static_range(NCONS):
+        _tma_load(q_desc, [q_row + 64 * i, q_col], q_bar, q_smem.index(i))
     for j in range(n_tiles):
         stage = j % STAGES
         mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
@@ -136,19 +236,20 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty,
 @gluon.jit
 def _ws_fwd_kernel(q_desc, k_desc, v_desc, Out, LSE, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
                    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, seq_q, seq_k, num_heads, group, qk_scale,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   NCONS: gl.constexpr, PP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # causal blocks late in the sequence have the most work
     pid_bh = gl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     h_kv = h // group
-    start_m = pid_m * 128
+    start_m = pid_m * (64 * NCONS)
     hi = seq_k
     if IS_CAUSAL:
-        hi = gl.maximum(gl.minimum(seq_k, start_m + 128 + seq_k - seq_q), 0)
+        hi = gl.maximum(gl.minimum(seq_k, start_m + 64 * NCONS + seq_k - seq_q), 0)
     n_tiles = gl.cdiv(hi, BLOCK_N)
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NCONS, 64, HEAD_D], q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -157,20 +258,37 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, Out, LSE, q_rb, q_rh, q_ch, k_rb, k_r
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(empty.index(i), count=NCONS)  # every consumer releases a stage
     fence_async_shared()
+    q_row = b * q_rb + h * q_rh + start_m
+    k_row = b * k_rb + h_kv * k_rh
+    v_row = b * v_rb + h_kv * v_rh
     # fmt: off
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb,
-                     stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 0, HEAD_D, BLOCK_N, STAGES,
-                     IS_CAUSAL)),
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb,
-                     stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 1, HEAD_D, BLOCK_N, STAGES,
-                     IS_CAUSAL)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty,
-                   b * q_rb + h * q_rh + start_m, h * q_ch, b * k_rb + h_kv * k_rh, h_kv * k_ch,
-                   b * v_rb + h_kv * v_rh, h_kv * v_ch, n_tiles, BLOCK_N, STAGES)),
-    ], [4, 1], [240, 24])
+    if NCONS == 2:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
+                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 0, NCONS, PP, HEAD_D,
+                         BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
+                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 1, NCONS, PP, HEAD_D,
+                         BLOCK_N, STAGES, IS_CAUSAL)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, h * q_ch, k_row,
+                       h_kv * k_ch, v_row, h_kv * v_ch, n_tiles, NCONS, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
+                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 0, NCONS, PP, HEAD_D,
+                         BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
+                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 1, NCONS, PP, HEAD_D,
+                         BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
+                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 2, NCONS, PP, HEAD_D,
+                         BLOCK_N, STAGES, IS_CAUSAL)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, h * q_ch, k_row,
+                       h_kv * k_ch, v_row, h_kv * v_ch, n_tiles, NCONS, BLOCK_N, STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     # fmt: on
 
 
@@ -190,45 +308,68 @@ def tma_rows(t: Tensor) -> tuple[int, int, int, int, int] | None:
     return None
 
 
-def ws_supported(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, window: int | None) -> bool:
-    """Whether the warp-specialized forward takes this call: requested (``LLMOPT_FLASH_FWD=ws``), a Hopper GPU
-    (compute capability 9.0), fp16/bf16, dense, no window, head dim 64 or 128, and TMA-compatible layouts."""
-    if os.environ.get("LLMOPT_FLASH_FWD", "triton") != "ws" or q.device.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0) or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if geo.cu_seqlens is not None or window is not None or geo.head_dim not in _LAUNCH:
-        return False
-    return all(tma_rows(t) is not None for t in (q, k, v))
+def ws_plan(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, window: int | None) -> WsPlan | None:
+    """The launch this kernel takes the call with, or ``None`` for the Triton forward. It applies on a Hopper GPU
+    (compute capability 9.0) to dense fp16/bf16 inputs without a window, head dim 64 or 128, TMA-compatible layouts
+    (:func:`tma_rows`); there ``LLMOPT_FLASH_FWD`` (``auto``, the default; ``ws``; ``triton``) decides, ``auto`` by
+    the measured rule of the module docstring."""
+    mode = os.environ.get("LLMOPT_FLASH_FWD", "auto")
+    if mode not in ("auto", "ws", "triton"):
+        raise ValueError(f"LLMOPT_FLASH_FWD must be 'auto', 'ws' or 'triton', got {mode!r}")
+    if mode == "triton" or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if geo.cu_seqlens is not None or window is not None or geo.head_dim not in (64, 128):
+        return None
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if not _is_hopper(index) or any(tma_rows(t) is None for t in (q, k, v)):
+        return None
+    return choose_plan(geo.head_dim, causal, geo.seq_k, mode)
+
+
+def choose_plan(head_dim: int, causal: bool, seq_k: int, mode: str = "auto") -> WsPlan | None:
+    """The measured rule of the module docstring, for a call the kernel applies to (``mode="ws"``: any length)."""
+    plan = _HD128 if head_dim == 128 else _HD64_CAUSAL if causal else _HD64
+    from_len = _FROM[(head_dim, causal)]
+    return plan if mode == "ws" or seq_k >= from_len else None
+
+
+@functools.cache
+def _smem_layout(block_rows: int, head_dim: int, bf16: bool):  # type: ignore[no-untyped-def]
+    return gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def _descriptor(t: Tensor, block_rows: int) -> tuple[TensorDescriptor, tuple[int, int, int]]:
     rows, row_stride, per_b, per_h, col_h = tma_rows(t)  # type: ignore[misc]
     D = t.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, D], gl.bfloat16 if t.dtype == torch.bfloat16
-                                                  else gl.float16)
+    layout = _smem_layout(block_rows, D, t.dtype == torch.bfloat16)
     cols = row_stride if col_h else D  # a row holds every head (B, S, H, D), or one head's D values
     desc = TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, D], layout)
     return desc, (per_b, per_h, col_h)
 
 
-def ws_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` as :func:`~lightning_llmopt.kernels.flash_attention_fwd.flash_fwd` returns them, for a call
-    :func:`ws_supported` accepts."""
-    block_n, stages = _LAUNCH[geo.head_dim]
+def ws_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: float,
+           plan: WsPlan) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` as :func:`~lightning_llmopt.kernels.flash_attention_fwd.flash_fwd` returns them, launched by
+    ``plan`` (from :func:`ws_plan`)."""
     out = torch.empty_like(q)
     lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
     q_desc, q_map = _descriptor(q, 64)
-    k_desc, k_map = _descriptor(k, block_n)
-    v_desc, v_map = _descriptor(v, block_n)
+    k_desc, k_map = _descriptor(k, plan.block_n)
+    v_desc, v_map = _descriptor(v, plan.block_n)
     sb, ss, sh, _ = out.stride()
-    grid = (triton.cdiv(geo.seq_q, 128), geo.batch * geo.num_heads)
+    grid = (triton.cdiv(geo.seq_q, 64 * plan.consumers), geo.batch * geo.num_heads)
     _ws_fwd_kernel[grid](
         q_desc, k_desc, v_desc, out, lse, *q_map, *k_map, *v_map, sb, ss, sh, lse.stride(0), lse.stride(1),
-        geo.seq_q, geo.seq_k, geo.num_heads, geo.group, scale * _LOG2E, HEAD_D=geo.head_dim, BLOCK_N=block_n,
-        STAGES=stages, IS_CAUSAL=causal, num_warps=4, maxnreg=_MAXNREG,
+        geo.seq_q, geo.seq_k, geo.num_heads, geo.group, scale * _LOG2E, HEAD_D=geo.head_dim, BLOCK_N=plan.block_n,
+        STAGES=plan.stages, IS_CAUSAL=causal, NCONS=plan.consumers, PP=plan.pingpong,
+        CONSUMER_REGS=plan.consumer_regs, num_warps=4, maxnreg=plan.maxnreg,
     )
     return out, lse
 
 
-__all__ = ["tma_rows", "ws_fwd", "ws_supported"]
+__all__ = ["WsPlan", "choose_plan", "tma_rows", "ws_fwd", "ws_plan"]

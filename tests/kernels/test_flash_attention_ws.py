@@ -1,9 +1,11 @@
-"""The warp-specialized Gluon forward of flash attention (opt-in: ``LLMOPT_FLASH_FWD=ws``).
+"""The warp-specialized Gluon forward of flash attention (the default on Hopper where it measured faster).
 
-On CPU: it compiles for sm_90 (Triton's own ptxas) into three warpgroups with register reallocation, without
-spilling; the TMA row mapping of both supported layouts addresses the same elements as the tensor; the launcher only
-takes it where it applies. On a Hopper GPU: outputs, log-sum-exps and the gradients computed from them match the
-float64 reference by the attention tolerance rule, for both layouts, GQA, causal and not, ragged lengths.
+On CPU: each launch plan compiles for sm_90 (Triton's own ptxas) into one warpgroup a consumer plus the loader's,
+with register reallocation and without spilling, the ping-pong's named barriers where it is on; the TMA row mapping
+of both supported layouts addresses the same elements as the tensor; the plan follows the measured rule and only
+applies where the kernel does. On a Hopper GPU: outputs, log-sum-exps and the gradients computed from them match the
+float64 reference by the attention tolerance rule, for both layouts, GQA, causal and not, ragged and unequal
+lengths, rows that see no key, by the default rule and forced.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
 
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 stats = {}
-for head_dim, causal in json.loads(sys.argv[1]):
-    block_n, stages = ws._LAUNCH[head_dim]
+for head_dim, causal, plan in json.loads(sys.argv[1]):
+    plan = ws.WsPlan(*plan)
+    block_n = plan.block_n
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
@@ -42,28 +45,31 @@ for head_dim, causal in json.loads(sys.argv[1]):
                  "stride_oh", "stride_lb", "stride_lh", "seq_q", "seq_k", "num_heads", "group"):
         sig[name] = "i32"
     sig["qk_scale"] = "fp32"
-    consts = dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=causal)
+    consts = dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=plan.stages, IS_CAUSAL=causal, NCONS=plan.consumers,
+                  PP=plan.pingpong, CONSUMER_REGS=plan.consumer_regs)
     sig.update({name: "constexpr" for name in consts})
     compiled = triton.compile(GluonASTSource(ws._ws_fwd_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "maxnreg": ws._MAXNREG})
+                              options={"num_warps": 4, "maxnreg": plan.maxnreg})
     path = os.path.join(sys.argv[2], "k.cubin")
     open(path, "wb").write(compiled.asm["cubin"])
     sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, check=True).stdout
-    stats[str((head_dim, causal))] = {
+    stats[str((head_dim, causal, plan.consumers, plan.pingpong))] = {
         "hgmma": len(re.findall(r"HGMMA", sass)), "spills": len(re.findall(r"\bSTL\b", sass)),
         "setmaxnreg": len(re.findall(r"USETMAXREG", sass)), "tma": len(re.findall(r"UTMALDG", sass)),
-        "warps": compiled.metadata.num_warps}
+        "warps": compiled.metadata.num_warps, "named_bars": len(re.findall(r"BAR\.(?:SYNC|ARV)[^;]*0x100", sass))}
 print(json.dumps(stats))
 """
 
 
-def test_compiles_for_sm90_into_three_warpgroups_without_spills(tmp_path) -> None:
-    """Compiled in a fresh process (the suite's interpreted kernels leave Triton patched in this one)."""
+def test_compiles_for_sm90_into_warpgroups_without_spills(tmp_path) -> None:
+    """Each launch plan compiled in a fresh process (the suite's interpreted kernels leave Triton patched in this
+    one): tensor-core products, TMA, register reallocation, no spills, one warpgroup a consumer plus the loader's,
+    and the ping-pong's named barriers (256 threads) exactly where it is on."""
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("no cuobjdump in this Triton wheel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cases = [(128, False), (64, True)]
+    cases = [(128, False, ws._HD128), (64, False, ws._HD64), (64, True, ws._HD64_CAUSAL)]
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases), str(tmp_path)], capture_output=True,
                          text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -73,7 +79,9 @@ def test_compiles_for_sm90_into_three_warpgroups_without_spills(tmp_path) -> Non
         assert got["hgmma"] > 0 and got["tma"] > 0, case
         assert got["spills"] == 0, f"register spills at {case}"
         assert got["setmaxnreg"] > 0, f"no register reallocation between partitions at {case}"
-        assert got["warps"] == 12, case  # two consumer warpgroups and the loader's (one warp, padded)
+    for (_, _, plan), got in zip(cases, stats.values(), strict=True):
+        assert got["warps"] == 4 * (plan.consumers + 1), plan  # the loader's warpgroup: one warp, padded
+        assert (got["named_bars"] > 0) == plan.pingpong, plan
 
 
 def _address_of(t: torch.Tensor, b: int, s: int, h: int) -> int:
@@ -97,13 +105,37 @@ def test_tma_rows_refuse_other_strides() -> None:
     assert ws.tma_rows(torch.zeros(2, 16, 4, 130)[..., :128]) is None  # padded rows: not a (B, S, H, D) stride
 
 
-def test_applies_only_when_requested_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_not_taken_off_the_gpu_and_bad_modes_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     q = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
     geo = geometry(q, q, None, None)
-    monkeypatch.setenv("LLMOPT_FLASH_FWD", "ws")
-    assert not ws.ws_supported(q, q, q, geo, None)  # a CPU tensor
-    monkeypatch.delenv("LLMOPT_FLASH_FWD")
-    assert not ws.ws_supported(q, q, q, geo, None)
+    for mode in ("auto", "ws"):
+        monkeypatch.setenv("LLMOPT_FLASH_FWD", mode)
+        assert ws.ws_plan(q, q, q, geo, False, None) is None  # a CPU tensor
+    monkeypatch.setenv("LLMOPT_FLASH_FWD", "fast")
+    with pytest.raises(ValueError, match="LLMOPT_FLASH_FWD"):
+        ws.ws_plan(q, q, q, geo, False, None)
+
+
+def test_plan_follows_the_measured_rule() -> None:
+    """Head dim 128: two plain consumers, under the causal mask from 2k keys; head dim 64: three, ping-pong without
+    a mask from 2k keys, plain with it from 8k; any length when forced (the Triton forward was as fast or faster
+    below)."""
+    hd128, hd64 = ws.WsPlan(2, False, 128, 2, 168, 240), ws.WsPlan(3, True, 128, 3, 128, 160)
+    hd64_causal = ws.WsPlan(3, False, 128, 3, 128, 160)
+    expect = {  # (head_dim, causal) -> plans at 1, 1024, 2048, 4096, 8192, 16384 keys
+        (128, False): [hd128] * 6,
+        (128, True): [None, None] + [hd128] * 4,
+        (64, False): [None, None] + [hd64] * 4,
+        (64, True): [None] * 4 + [hd64_causal] * 2,
+    }
+    for (head_dim, causal), plans in expect.items():
+        for seq_k, plan in zip((1, 1024, 2048, 4096, 8192, 16384), plans, strict=True):
+            assert ws.choose_plan(head_dim, causal, seq_k) == plan, (head_dim, causal, seq_k)
+            assert ws.choose_plan(head_dim, causal, seq_k, "ws") == plans[-1]
+    for plan in (ws._HD128, ws._HD64, ws._HD64_CAUSAL):  # every warp's registers fit the 64k register file
+        warpgroups = plan.consumers + 1
+        assert warpgroups * 128 * plan.maxnreg <= 65536
+        assert plan.consumers * 128 * plan.consumer_regs + 128 * 24 <= 65536
 
 
 def _hopper() -> bool:
@@ -112,29 +144,33 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the warp-specialized forward runs on sm_90 only")
-@pytest.mark.parametrize("head_dim,heads,kv_heads,causal,seq,layout", [
-    (128, 4, 4, False, 1024, "bshd"),
-    (128, 8, 2, True, 1000, "bhsd"),
-    (64, 8, 1, True, 333, "bshd"),
-    (64, 4, 2, False, 129, "bhsd"),
-    (128, 2, 2, True, 1, "bshd"),
-    (64, 2, 2, True, 2048, "bhsd"),
+@pytest.mark.parametrize("head_dim,heads,kv_heads,causal,seq,seq_k,layout,mode", [
+    (128, 4, 4, False, 1024, 1024, "bshd", "auto"),
+    (128, 8, 2, True, 1000, 1000, "bhsd", "ws"),
+    (64, 8, 1, True, 333, 333, "bshd", "ws"),  # three plain consumers (below 8k keys only when forced)
+    (64, 4, 2, False, 129, 129, "bhsd", "ws"),  # three consumers, ping-pong
+    (128, 2, 2, True, 1, 1, "bshd", "ws"),
+    (64, 2, 2, True, 2048, 2048, "bhsd", "ws"),
+    (64, 4, 4, False, 300, 700, "bshd", "ws"),  # ping-pong, more keys than queries
+    (128, 4, 2, True, 700, 300, "bhsd", "ws"),  # the first 400 query rows see no key (bottom-right causal)
+    (64, 2, 2, False, 2048, 2048, "bshd", "auto"),  # ping-pong by the default rule
+    (128, 2, 1, True, 2048, 2048, "bshd", "auto"),
 ])  # fmt: skip
-def test_matches_reference_on_hopper(monkeypatch: pytest.MonkeyPatch, head_dim, heads, kv_heads, causal, seq,
-                                     layout) -> None:
+def test_matches_reference_on_hopper(monkeypatch: pytest.MonkeyPatch, head_dim, heads, kv_heads, causal, seq, seq_k,
+                                     layout, mode) -> None:
     from lightning_llmopt.kernels import flash_attention
 
-    monkeypatch.setenv("LLMOPT_FLASH_FWD", "ws")
+    monkeypatch.setenv("LLMOPT_FLASH_FWD", mode)
     taken = []
     monkeypatch.setattr(ws, "ws_fwd", lambda *a, _f=ws.ws_fwd: taken.append(1) or _f(*a))
     g = torch.Generator(device="cuda").manual_seed(seq)
 
-    def make(h: int) -> torch.Tensor:
-        shape = (2, seq, h, head_dim) if layout == "bshd" else (2, h, seq, head_dim)
+    def make(s: int, h: int) -> torch.Tensor:
+        shape = (2, s, h, head_dim) if layout == "bshd" else (2, h, s, head_dim)
         t = torch.randn(shape, generator=g, device="cuda").bfloat16()
         return (t if layout == "bshd" else t.transpose(1, 2)).requires_grad_()
 
-    q, k, v = make(heads), make(kv_heads), make(kv_heads)
+    q, k, v = make(seq, heads), make(seq_k, kv_heads), make(seq_k, kv_heads)
     do = torch.randn(q.shape, generator=g, device="cuda").bfloat16()
     out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), do)
@@ -143,9 +179,13 @@ def test_matches_reference_on_hopper(monkeypatch: pytest.MonkeyPatch, head_dim, 
     plain_in = [t.detach().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = flash_attention_ref(*ref_in, causal=causal, return_lse=True)
     plain = flash_attention_ref(*plain_in, causal=causal, upcast=False)
-    assert (lse.double() - ref_lse).abs().max().item() < 1e-2 / math.sqrt(head_dim)
+    blind = torch.isinf(ref_lse)  # rows that see no key: lse -inf, output 0
+    assert torch.equal(torch.isinf(lse), blind) and not torch.isnan(lse).any()
+    lse_err = (lse.double() - ref_lse)[~blind].abs().max().item()
+    assert lse_err < 1e-2 / math.sqrt(head_dim)
     ref_g = torch.autograd.grad(ref, ref_in, do.double())
     plain_g = torch.autograd.grad(plain, plain_in, do)
     for name, a, r, p in [("out", out, ref, plain), *zip(("dq", "dk", "dv"), grads, ref_g, plain_g, strict=True)]:
+        assert not torch.isnan(a).any(), name
         err, err_plain = (a.double() - r).abs().max().item(), (p.double() - r).abs().max().item()
         assert err <= 2 * err_plain + 1e-6, f"{name}: {err} vs plain bf16 {err_plain}"
