@@ -179,11 +179,12 @@ def _pingpong_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, n_tiles, row0
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb,
-              stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, ME: gl.constexpr, NCONS: gl.constexpr,
-              PP: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr):
-    """Query rows ``[64 ME, 64 ME + 64)`` of the block: the key tiles in order, then the output and ``lse``."""
+def _consumer(shared, ME: gl.constexpr, NCONS: gl.constexpr, PP: gl.constexpr, HEAD_D: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Query rows ``[64 ME, 64 ME + 64)`` of the block: the key tiles in order, then the output and ``lse``.
+    ``shared``: what every consumer of the program gets (the kernel's ``consumers_args``)."""
+    (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, b, h,
+     start_m, n_tiles, seq_q, seq_k, qk_scale) = shared
     MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, 16])
     MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -218,9 +219,10 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, 
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, q_col, k_row, k_col, v_row,
-            v_col, n_tiles, NCONS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _loader(loads, NCONS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The consumers' query rows once, then each key/value tile into the next free stage."""
+    (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, q_col, k_row, k_col, v_row, v_col,
+     n_tiles) = loads
     mbarrier.expect(q_bar, NCONS * q_desc.block_type.nbytes)
     for i in gl.static_range(NCONS):
         _tma_load(q_desc, [q_row + 64 * i, q_col], q_bar, q_smem.index(i))
@@ -263,33 +265,19 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, Out, LSE, q_rb, q_rh, q_ch, k_rb, k_r
     q_row = b * q_rb + h * q_rh + start_m
     k_row = b * k_rb + h_kv * k_rh
     v_row = b * v_rb + h_kv * v_rh
-    # fmt: off
+    shared = (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb,
+              stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, h * q_ch, k_row, h_kv * k_ch,
+             v_row, h_kv * v_ch, n_tiles)
     if NCONS == 2:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
-                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 0, NCONS, PP, HEAD_D,
-                         BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
-                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 1, NCONS, PP, HEAD_D,
-                         BLOCK_N, STAGES, IS_CAUSAL)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, h * q_ch, k_row,
-                       h_kv * k_ch, v_row, h_kv * v_ch, n_tiles, NCONS, BLOCK_N, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        gl.warp_specialize([(_consumer, (shared, 0, NCONS, PP, HEAD_D, BLOCK_N, STAGES, IS_CAUSAL)),
+                            (_consumer, (shared, 1, NCONS, PP, HEAD_D, BLOCK_N, STAGES, IS_CAUSAL)),
+                            (_loader, (loads, NCONS, BLOCK_N, STAGES))], [4, 1], [CONSUMER_REGS, 24])
     else:
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
-                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 0, NCONS, PP, HEAD_D,
-                         BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
-                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 1, NCONS, PP, HEAD_D,
-                         BLOCK_N, STAGES, IS_CAUSAL)),
-            (_consumer, (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
-                         stride_lb, stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, 2, NCONS, PP, HEAD_D,
-                         BLOCK_N, STAGES, IS_CAUSAL)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, h * q_ch, k_row,
-                       h_kv * k_ch, v_row, h_kv * v_ch, n_tiles, NCONS, BLOCK_N, STAGES)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
-    # fmt: on
+        gl.warp_specialize([(_consumer, (shared, 0, NCONS, PP, HEAD_D, BLOCK_N, STAGES, IS_CAUSAL)),
+                            (_consumer, (shared, 1, NCONS, PP, HEAD_D, BLOCK_N, STAGES, IS_CAUSAL)),
+                            (_consumer, (shared, 2, NCONS, PP, HEAD_D, BLOCK_N, STAGES, IS_CAUSAL)),
+                            (_loader, (loads, NCONS, BLOCK_N, STAGES))], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 def tma_rows(t: Tensor) -> tuple[int, int, int, int, int] | None:
