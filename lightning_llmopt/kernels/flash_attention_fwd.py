@@ -198,15 +198,18 @@ def _tuned_fwd_kernel():  # type: ignore[no-untyped-def]
 _CHOSEN = ChosenConfigs(_tuned_fwd_kernel)
 
 
-def _ws_plan(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, window: int | None):  # type: ignore[no-untyped-def]
-    """The warp-specialized forward's launch for this call, or ``None`` (also where this Triton has no Gluon)."""
-    if os.environ.get("LLMOPT_FLASH_FWD") == "triton":
+def _ws_forward(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: float,
+                window: int | None) -> tuple[Tensor, Tensor] | None:
+    """``(out, lse)`` from the warp-specialized forward where it takes the call, else ``None`` (also where this
+    Triton has no Gluon)."""
+    if os.environ.get("LLMOPT_FLASH_FWD") == "triton":  # not even the import
         return None
     try:
         from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
     except ImportError:  # a Triton without Gluon's Hopper API
         return None
-    return ws.ws_plan(q, k, v, geo, causal, window)
+    plan = ws.ws_plan(q, k, v, geo, causal, window)
+    return None if plan is None else ws.ws_fwd(q, k, v, geo, causal, scale, plan)
 
 
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: float,
@@ -218,11 +221,9 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scal
     candidate configurations with it.
     """
     if config is None and q.is_cuda:
-        plan = _ws_plan(q, k, v, geo, causal, window)
-        if plan is not None:
-            from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
-
-            return ws.ws_fwd(q, k, v, geo, causal, scale, plan)
+        taken = _ws_forward(q, k, v, geo, causal, scale, window)
+        if taken is not None:
+            return taken
     out = torch.empty_like(q)
     lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
     args = (

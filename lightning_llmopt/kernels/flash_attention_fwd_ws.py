@@ -182,7 +182,7 @@ def _pingpong_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, n_tiles, row0
 def _consumer(shared, ME: gl.constexpr, NCONS: gl.constexpr, PP: gl.constexpr, HEAD_D: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Query rows ``[64 ME, 64 ME + 64)`` of the block: the key tiles in order, then the output and ``lse``.
-    ``shared``: what every consumer of the program gets (the kernel's ``consumers_args``)."""
+    ``shared``: the arguments every consumer of the program gets (the kernel's ``shared`` tuple)."""
     (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, b, h,
      start_m, n_tiles, seq_q, seq_k, qk_scale) = shared
     MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
