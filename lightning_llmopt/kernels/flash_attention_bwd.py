@@ -332,10 +332,12 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     if do.stride(-1) != 1:
         do = do.contiguous()
     kv_heads = geo.num_heads // geo.group
-    gluon = not use_interpreter_config(q) and wgmma_supported(q, geo.head_dim, geo.block_d)
+    interpreted = use_interpreter_config(q)
+    gluon = not interpreted and wgmma_supported((q, k, v, do), geo.head_dim, geo.block_d)
     dkdv_impl = dkdv_impl or ("wgmma" if gluon else "triton")
     if dkdv_impl not in ("wgmma", "triton") or (dkdv_impl == "wgmma" and not gluon):
-        raise ValueError(f"dkdv_impl={dkdv_impl!r}: 'triton', or 'wgmma' for 16-bit head dim 64/128 on sm_90")
+        raise ValueError(f"dkdv_impl={dkdv_impl!r}: 'triton', or 'wgmma' for 16-bit head dim 64/128 on sm_90 "
+                         "(16-byte aligned rows)")
     if split is None:  # the Gluon pass's 64-key tiles make twice the programs: a 4-way split becomes 2-way
         split = gqa_split(geo, causal, window)
         split = 2 if dkdv_impl == "wgmma" and split == 4 else split
@@ -361,7 +363,7 @@ def flash_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                *geo.strides(out), *geo.strides(do), *geo.strides(dq), *geo.lse_strides(lse), *common, geo.num_heads,
                geo.group, *tail)
     configs = dict(configs or {})
-    if use_interpreter_config(q):
+    if interpreted:
         blocks = {"BLOCK_M": interpreter_block(geo.max_q), "BLOCK_N": interpreter_block(geo.max_k)}
         configs = {"dkdv": (blocks, 4, 1), "dq": (blocks, 4, 1), **configs}
     passes = (  # the dQ pass writes delta and lse2, which the dK/dV pass reads

@@ -35,7 +35,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from lightning_llmopt.kernels.flash_attention_common import DKDV_TUNE_KEY, ChosenConfigs, LaunchConfig, as_launch_config
+from lightning_llmopt.kernels.flash_attention_common import (
+    DKDV_TUNE_KEY,
+    ChosenConfigs,
+    LaunchConfig,
+    as_launch_config,
+    cuda_capability,
+)
 
 # a CTA-wide barrier: ``thread_barrier`` up to Triton 3.6, ``barrier`` in later releases
 _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -278,10 +284,18 @@ def launch_dkdv(args: tuple, consts: dict, grid: Callable[[dict], tuple], key: t
     _dkdv_wgmma_kernel[grid(blocks)](*args, **blocks, STAGES=stages, num_warps=warps, **consts)
 
 
-def wgmma_supported(q: torch.Tensor, head_dim: int, block_d: int) -> bool:
-    """Whether the Gluon dK/dV pass applies: a Hopper GPU, 16-bit inputs, head dim 64 or 128 (no padding)."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and head_dim == block_d
-            and head_dim in (64, 128) and torch.cuda.get_device_capability(q.device) == (9, 0))
+def wgmma_supported(tensors: tuple[torch.Tensor, ...], head_dim: int, block_d: int) -> bool:
+    """Whether the Gluon dK/dV pass applies to the inputs it reads (``q, k, v, dO``): a Hopper GPU, 16-bit inputs,
+    head dim 64 or 128 (no padding), and rows it can copy 16 bytes at a time (16-byte aligned addresses, strides of
+    whole 8-element groups; elsewhere its ``cp.async`` copies do not compile)."""
+    q = tensors[0]
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and head_dim == block_d
+            and head_dim in (64, 128)):
+        return False
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return cuda_capability(index) == (9, 0) and all(
+        t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1]) for t in tensors
+    )
 
 
 __all__ = ["launch_dkdv", "wgmma_configs", "wgmma_supported"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,6 +229,12 @@ def tune_key(geo: Geometry, consts: dict[str, Any], dtype: torch.dtype, window: 
     """The autotuning key of a call: the length buckets (:meth:`Geometry.tuning`), the constexpr flags of
     :data:`TUNE_KEY` and the dtype."""
     return (*geo.tuning(window), *(consts[name] for name in TUNE_KEY[2:]), dtype)
+
+
+@functools.cache
+def cuda_capability(device_index: int) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability``, kept per device: several microseconds a call, asked on every launch."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def device_is_cuda(t: Tensor) -> bool:

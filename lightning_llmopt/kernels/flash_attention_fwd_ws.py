@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lightning_llmopt.kernels.flash_attention_common import Geometry
+from lightning_llmopt.kernels.flash_attention_common import Geometry, cuda_capability
 
 # TMA copy into shared memory: ``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -308,10 +308,11 @@ def ws_plan(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, window
         return None
     if geo.cu_seqlens is not None or window is not None or geo.head_dim not in (64, 128):
         return None
+    plan = choose_plan(geo.head_dim, causal, geo.seq_k, mode)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if not _is_hopper(index) or any(tma_rows(t) is None for t in (q, k, v)):
+    if plan is None or cuda_capability(index) != (9, 0) or any(tma_rows(t) is None for t in (q, k, v)):
         return None
-    return choose_plan(geo.head_dim, causal, geo.seq_k, mode)
+    return plan
 
 
 def choose_plan(head_dim: int, causal: bool, seq_k: int, mode: str = "auto") -> WsPlan | None:
@@ -324,11 +325,6 @@ def choose_plan(head_dim: int, causal: bool, seq_k: int, mode: str = "auto") -> 
 @functools.cache
 def _smem_layout(block_rows: int, head_dim: int, bf16: bool):  # type: ignore[no-untyped-def]
     return gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl.bfloat16 if bf16 else gl.float16)
-
-
-@functools.cache
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def _descriptor(t: Tensor, block_rows: int) -> tuple[TensorDescriptor, tuple[int, int, int]]:

@@ -92,11 +92,13 @@ def test_compiles_for_sm90_without_spills_or_serialized_wgmma(head_dim, causal, 
 
 def test_applies_only_to_16_bit_head_dims_64_and_128_on_hopper() -> None:
     q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
-    assert not wgmma.wgmma_supported(q, 64, 64)  # a CPU tensor
-    with pytest.raises(ValueError, match="dkdv_impl"):
-        _grads(q.float(), causal=True, dkdv_impl="wgmma")
-    with pytest.raises(ValueError, match="dkdv_impl"):
-        _grads(q.float(), causal=True, dkdv_impl="cuda")
+    assert not wgmma.wgmma_supported((q, q, q, q), 64, 64)  # a CPU tensor
+    q = q.float()  # the choice is checked before any launch: no forward needed, on any machine
+    geo = geometry(q, q, None, None)
+    lse = torch.zeros(geo.lse_shape)
+    for impl in ("wgmma", "cuda"):
+        with pytest.raises(ValueError, match="dkdv_impl"):
+            flash_bwd(q, q, q, q, q, lse, geo, True, 0.125, None, dkdv_impl=impl)
 
 
 def _grads(q: torch.Tensor, causal: bool, window: int | None = None, dkdv_impl: str | None = None,
