@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_llmopt.kernels.launch_cache import LaunchCache
+
 LOG2E = 1.4426950408889634
 
 
@@ -180,7 +182,8 @@ class ChosenConfigs:
 
     Triton's ``Autotuner.run`` rebuilds its cache key from every argument on each call (about 35 us a launch on an
     H100 host, torch 2.11 / triton 3.6, 2026-11-25), and one attention forward + backward makes three tuned launches.
-    The caller passes the key: the values of :data:`TUNE_KEY` and the dtype.
+    The caller passes the key: the values of :data:`TUNE_KEY` and the dtype. Launches after the search go through
+    a :class:`~lightning_llmopt.kernels.launch_cache.LaunchCache`, which skips ``JITFunction.run`` too.
 
     Arguments:
         make_tuner: returns the ``triton.autotune``-wrapped kernel (built on first use).
@@ -188,16 +191,21 @@ class ChosenConfigs:
 
     def __init__(self, make_tuner: Callable[[], Any]) -> None:
         self._make = make_tuner
-        self._chosen: dict[tuple, Any] = {}
+        self._chosen: dict[tuple, tuple[dict[str, Any], dict[str, Any]]] = {}  # key: (block sizes, options)
+        self._compiled = LaunchCache()
 
     def launch(self, key: tuple, grid: Callable[[dict], tuple], args: tuple, consts: dict[str, Any]) -> None:
         tuner = self._make()
-        config = self._chosen.get(key)
-        if config is None:
+        chosen = self._chosen.get(key)
+        if chosen is None:
             tuner[grid](*args, **consts)
-            self._chosen[key] = self._settle(tuner, grid, args, consts)
-        else:
-            tuner.fn[grid(config.kwargs)](*args, **consts, **config.all_kwargs())
+            config = self._settle(tuner, grid, args, consts)
+            options = {k: v for k, v in config.all_kwargs().items() if k not in config.kwargs}
+            self._chosen[key] = (config.kwargs, options)
+        else:  # the chosen launch, through the compiled kernel cached for it (key + constexprs fix the compile)
+            blocks, options = chosen
+            self._compiled.launch(tuner.fn, (*key, *consts.values()), grid(blocks), args, {**consts, **blocks},
+                                  options)
 
     @staticmethod
     def _settle(tuner: Any, grid: Callable[[dict], tuple], args: tuple, consts: dict[str, Any], top: int = 3) -> Any:
