@@ -9,9 +9,10 @@ backward became host-bound on an H100 whose host was slower (docs/flash_attentio
 :class:`LaunchCache` keeps the compiled kernel of a call under the caller's own key, with a signature of the
 arguments that changes whenever Triton's specialization of them would (:func:`arg_signature`, a superset of what
 Triton looks at). A later call with the same key and signature goes straight to the compiled kernel's launcher
-(``compiled.run``, the call ``JITFunction.run`` ends with). Anything else, including a launch
-hook set by a profiler, goes through ``JITFunction`` as before, and a new signature replaces the cached kernel.
-``LLMOPT_TRITON_LAUNCH_CACHE=0`` turns the cache off (every launch through ``JITFunction``).
+(``compiled.run``, the call ``JITFunction.run`` ends with). Anything else goes through ``JITFunction`` as before:
+a launch hook set by a profiler, a pre-run hook on the kernel, an argument kind without a signature. A new
+signature replaces the cached kernel. ``LLMOPT_TRITON_LAUNCH_CACHE=0`` turns the cache off (every launch through
+``JITFunction``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ def _current_device() -> int:
     return driver.active.get_current_device()
 
 
+def _hooked(*hooks: Any) -> bool:
+    """Whether any launch hook is attached: Triton's launch hooks are ``HookChain`` objects from Triton 3.5 on (empty
+    unless a profiler attached one), plain callables or ``None`` before; a JIT function's pre-run hooks are
+    callables."""
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
 def _current_stream(device: int) -> int:
     from triton.runtime import driver
 
@@ -88,8 +96,8 @@ class LaunchCache:
         from triton import knobs
 
         signature = arg_signature(args) if self.enabled() else None
-        hook = knobs.runtime.launch_enter_hook  # a HookChain from Triton 3.5 on, empty unless a profiler is attached
-        if signature is None or (hook is not None and getattr(hook, "calls", True)):
+        if signature is None or _hooked(knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
+                                        *getattr(fn, "pre_run_hooks", ())):
             fn[grid](*args, **constexprs, **options)
             return
         full_key = (_current_device(), *key)

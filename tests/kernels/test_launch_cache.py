@@ -74,6 +74,13 @@ def test_cache_launches_the_compiled_kernel_until_the_signature_changes(monkeypa
     cache.launch(fn, ("k",), (4, 2), (x[1:], 48, 0.5), consts, {"num_warps": 4})  # misaligned: the JIT again
     cache.launch(fn, ("other",), (4, 2), (x, 48, 0.5), consts, {"num_warps": 4})  # another key: the JIT
     assert [c[0] for c in fn.calls] == ["jit", "compiled", "jit", "jit"]
+    for _ in range(2):  # the misaligned call replaced the entry: the aligned one compiles back in, then hits
+        cache.launch(fn, ("k",), (4, 2), (x, 48, 0.5), consts, {"num_warps": 4})
+    assert [c[0] for c in fn.calls[-2:]] == ["jit", "compiled"]
+    fn.pre_run_hooks = [lambda *a, **k: None]  # a hook on the kernel: launches go through the JIT, which runs it
+    cache.launch(fn, ("k",), (4, 2), (x, 48, 0.5), consts, {"num_warps": 4})
+    assert fn.calls[-1][0] == "jit"
+    fn.pre_run_hooks = []
     monkeypatch.setenv("LLMOPT_TRITON_LAUNCH_CACHE", "0")
     cache.launch(fn, ("k",), (4, 2), (x, 48, 0.5), consts, {"num_warps": 4})
     assert fn.calls[-1][0] == "jit"  # turned off
