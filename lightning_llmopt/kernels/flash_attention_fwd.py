@@ -16,9 +16,9 @@ A row with no visible key keeps ``m = -inf``; the subtraction uses 0 instead, so
 and ``lse = -inf``, never NaN. GQA: query head ``h`` reads key/value head ``h // (H // H_kv)``; nothing is repeated.
 Head dims that are not powers of two are padded to ``BLOCK_D`` lanes, masked on load and store.
 
-On a Hopper GPU, dense fp16/bf16 calls with head dim 64 or 128 go to the warp-specialized Gluon forward instead
-where it measured faster (:mod:`~lightning_llmopt.kernels.flash_attention_fwd_ws`; ``LLMOPT_FLASH_FWD=triton``
-keeps them here).
+On a Hopper GPU, fp16/bf16 calls with head dim 64 or 128 (dense, or packed with head dim 128) go to the
+warp-specialized Gluon forward instead where it measured faster
+(:mod:`~lightning_llmopt.kernels.flash_attention_fwd_ws`; ``LLMOPT_FLASH_FWD=triton`` keeps them here).
 """
 
 from __future__ import annotations

@@ -21,13 +21,20 @@ Triton forward from S = 2048 (and without a mask at 1024); at S = 1024 under the
 about 7% lower while its launch costs more host time (three TMA descriptors, Gluon's launcher), so the Triton
 forward keeps that call. Head dim 64: three consumers, ping-pong without a mask (1.05-1.25x from S = 2048, a tie
 at 1024) and plain with the causal one (ahead only from S = 8192).
+Packed input (16k-token packs, H100, 2026-11-27, benchmarks/results/sweeps/attention-ws-varlen-*): head dim 128
+takes this kernel without a mask (1.02-1.20x the Triton forward) and under the causal one where documents average
+1024 tokens or more (1.06-1.21x; 0.96-0.98x at 256 and 512); head dim 64 stays with the Triton forward (this kernel
+measured 0.75x at 16 x 1k).
 ``LLMOPT_FLASH_FWD`` overrides the choice: ``triton`` never takes this kernel, ``ws`` takes it wherever it applies.
 
-Dense inputs only, in one of two layouts per tensor, viewed as 2-D row-major matrices for the TMA descriptors:
-``(B, S, H, D)`` contiguous (rows ``b S + s``, columns ``h D + d``) or ``(B, H, S, D)`` storage seen through a
-transposed view (rows ``(b H + h) S + s``). Rows of a tile past the sequence are read from the next sequence or
-head (zero-filled past the tensor) and masked, so their probabilities are exactly 0. Outputs are written with
-ordinary stores through ``out``'s strides; ``lse`` is natural-log, ``-inf`` and output 0 on a row that sees no key.
+Each tensor is viewed as a 2-D row-major matrix for its TMA descriptor: dense ``(B, S, H, D)`` contiguous (rows
+``b S + s``, columns ``h D + d``), dense ``(B, H, S, D)`` storage seen through a transposed view (rows
+``(b H + h) S + s``), or packed ``(total, H, D)`` with heads side by side (rows are tokens; document ``b`` of
+``cu_seqlens`` is rows ``[tok0, tok0 + length)``). The grid covers the longest document; a block past its own
+document's end returns before it sets anything up (without that, a pack of one long and many short documents ran
+at half speed). Rows of a tile past the sequence are read from the next sequence, head or document (zero-filled
+past the tensor) and masked, so their probabilities are exactly 0. Outputs are written with ordinary stores through
+``out``'s strides; ``lse`` is natural-log, ``-inf`` and output 0 on a row that sees no key.
 """
 
 from __future__ import annotations
@@ -73,6 +80,8 @@ _HD64 = WsPlan(3, True, 128, 3, 128, 160)
 _HD64_CAUSAL = WsPlan(3, False, 128, 3, 128, 160)
 # the shortest key length each (head dim, causal) takes this kernel from (module docstring)
 _FROM = {(128, False): 0, (128, True): 2048, (64, False): 2048, (64, True): 8192}
+# packed input, by the mean document length (total tokens / documents); head dim 64 stays with the Triton forward
+_PACKED_FROM = {(128, False): 0, (128, True): 1024}
 _NAMED_BAR0 = gl.constexpr(8)  # the ping-pong's named barriers: 8 + consumer
 
 
@@ -184,7 +193,7 @@ def _consumer(shared, ME: gl.constexpr, NCONS: gl.constexpr, PP: gl.constexpr, H
     """Query rows ``[64 ME, 64 ME + 64)`` of the block: the key tiles in order, then the output and ``lse``.
     ``shared``: the arguments every consumer of the program gets (the kernel's ``shared`` tuple)."""
     (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, b, h,
-     start_m, n_tiles, seq_q, seq_k, qk_scale) = shared
+     start_m, n_tiles, seq_q, seq_k, qk_scale, tok0) = shared
     MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, 16])
     MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -211,11 +220,12 @@ def _consumer(shared, ME: gl.constexpr, NCONS: gl.constexpr, PP: gl.constexpr, H
     offs_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_O))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, MMA_O))
     o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-              + offs_m[:, None].to(gl.int64) * stride_os + offs_d[None, :])
+              + (tok0 + offs_m[:, None]).to(gl.int64) * stride_os + offs_d[None, :])
     gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seq_q)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # -inf where no key was visible
     offs_l = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_S))
-    gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + offs_l, lse, mask=offs_l < seq_q)
+    gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + tok0 + offs_l, lse,
+             mask=offs_l < seq_q)
 
 
 @gluon.jit
@@ -236,16 +246,24 @@ def _loader(loads, NCONS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.conste
 
 
 @gluon.jit
-def _ws_fwd_kernel(q_desc, k_desc, v_desc, Out, LSE, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-                   stride_ob, stride_os, stride_oh, stride_lb, stride_lh, seq_q, seq_k, num_heads, group, qk_scale,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   NCONS: gl.constexpr, PP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+def _ws_fwd_kernel(q_desc, k_desc, v_desc, Out, LSE, CU_SEQLENS, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh,
+                   v_ch, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, seq_q, seq_k, num_heads, group,
+                   qk_scale, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, NCONS: gl.constexpr, PP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   IS_VARLEN: gl.constexpr):
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # causal blocks late in the sequence have the most work
     pid_bh = gl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     h_kv = h // group
     start_m = pid_m * (64 * NCONS)
+    tok0 = 0
+    if IS_VARLEN:  # document b: rows [tok0, tok0 + length) of the packed tensors
+        tok0 = gl.load(CU_SEQLENS + b)
+        seq_q = gl.load(CU_SEQLENS + b + 1) - tok0
+        seq_k = seq_q
+        if start_m >= seq_q:  # a block past the document's end (the grid covers the longest): nothing to do
+            return
     hi = seq_k
     if IS_CAUSAL:
         hi = gl.maximum(gl.minimum(seq_k, start_m + 64 * NCONS + seq_k - seq_q), 0)
@@ -262,11 +280,11 @@ def _ws_fwd_kernel(q_desc, k_desc, v_desc, Out, LSE, q_rb, q_rh, q_ch, k_rb, k_r
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=NCONS)  # every consumer releases a stage
     fence_async_shared()
-    q_row = b * q_rb + h * q_rh + start_m
-    k_row = b * k_rb + h_kv * k_rh
-    v_row = b * v_rb + h_kv * v_rh
+    q_row = tok0 + b * q_rb + h * q_rh + start_m
+    k_row = tok0 + b * k_rb + h_kv * k_rh
+    v_row = tok0 + b * v_rb + h_kv * v_rh
     shared = (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb,
-              stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale)
+              stride_lh, b, h, start_m, n_tiles, seq_q, seq_k, qk_scale, tok0)
     loads = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, ready, empty, q_row, h * q_ch, k_row, h_kv * k_ch,
              v_row, h_kv * v_ch, n_tiles)
     if NCONS == 2:
@@ -284,7 +302,14 @@ def tma_rows(t: Tensor) -> tuple[int, int, int, int, int] | None:
     """How a dense ``(B, S, H, D)`` tensor ``t`` is seen as a 2-D row-major matrix for TMA: ``(rows, row_stride,
     row_per_b, row_per_h, col_per_h)`` (element ``(b, s, h, d)`` at row ``b row_per_b + h row_per_h + s``, column
     ``h col_per_h + d``), or ``None`` for other strides. ``(B, S, H, D)`` contiguous and ``(B, H, S, D)`` contiguous
-    storage seen through ``transpose(1, 2)`` qualify."""
+    storage seen through ``transpose(1, 2)`` qualify. A packed ``(total, H, D)`` tensor (element ``(t, h, d)`` at
+    row ``t``, column ``h D + d``) qualifies with its heads side by side in a row and any 16-byte multiple as the
+    token stride (the rows of a fused QKV projection's output, say): ``(total, stride, 0, 0, D)``."""
+    if t.dim() == 3:
+        total, H, D = t.shape
+        st, sh, sd = t.stride()
+        aligned = (st * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        return (total, st, 0, 0, D) if sd == 1 and sh == D and st >= H * D and aligned else None
     B, S, H, D = t.shape
     sb, ss, sh, sd = t.stride()
     if sd != 1 or (ss * t.element_size()) % 16 or t.data_ptr() % 16:
@@ -298,28 +323,30 @@ def tma_rows(t: Tensor) -> tuple[int, int, int, int, int] | None:
 
 def ws_plan(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, window: int | None) -> WsPlan | None:
     """The launch this kernel takes the call with, or ``None`` for the Triton forward. It applies on a Hopper GPU
-    (compute capability 9.0) to dense fp16/bf16 inputs without a window, head dim 64 or 128, TMA-compatible layouts
-    (:func:`tma_rows`); there ``LLMOPT_FLASH_FWD`` (``auto``, the default; ``ws``; ``triton``) decides, ``auto`` by
-    the measured rule of the module docstring."""
+    (compute capability 9.0) to dense or packed fp16/bf16 inputs without a window, head dim 64 or 128,
+    TMA-compatible layouts (:func:`tma_rows`); there ``LLMOPT_FLASH_FWD`` (``auto``, the default; ``ws``;
+    ``triton``) decides, ``auto`` by the measured rule of the module docstring."""
     mode = os.environ.get("LLMOPT_FLASH_FWD", "auto")
     if mode not in ("auto", "ws", "triton"):
         raise ValueError(f"LLMOPT_FLASH_FWD must be 'auto', 'ws' or 'triton', got {mode!r}")
     if mode == "triton" or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return None
-    if geo.cu_seqlens is not None or window is not None or geo.head_dim not in (64, 128):
+    if window is not None or geo.head_dim not in (64, 128) or geo.seq_q == 0 or geo.batch == 0:
         return None
-    plan = choose_plan(geo.head_dim, causal, geo.seq_k, mode)
+    packed = geo.cu_seqlens is not None
+    plan = choose_plan(geo.head_dim, causal, geo.total // geo.batch if packed else geo.seq_k, mode, packed)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if plan is None or cuda_capability(index) != (9, 0) or any(tma_rows(t) is None for t in (q, k, v)):
         return None
     return plan
 
 
-def choose_plan(head_dim: int, causal: bool, seq_k: int, mode: str = "auto") -> WsPlan | None:
-    """The measured rule of the module docstring, for a call the kernel applies to (``mode="ws"``: any length)."""
+def choose_plan(head_dim: int, causal: bool, length: int, mode: str = "auto", packed: bool = False) -> WsPlan | None:
+    """The measured rule of the module docstring, for a call the kernel applies to (``mode="ws"``: any length).
+    ``length``: the key length (dense) or the mean document length (packed)."""
     plan = _HD128 if head_dim == 128 else _HD64_CAUSAL if causal else _HD64
-    from_len = _FROM[(head_dim, causal)]
-    return plan if mode == "ws" or seq_k >= from_len else None
+    from_len = (_PACKED_FROM if packed else _FROM).get((head_dim, causal))
+    return plan if mode == "ws" or (from_len is not None and length >= from_len) else None
 
 
 @functools.cache
@@ -331,7 +358,7 @@ def _descriptor(t: Tensor, block_rows: int) -> tuple[TensorDescriptor, tuple[int
     rows, row_stride, per_b, per_h, col_h = tma_rows(t)  # type: ignore[misc]
     D = t.shape[-1]
     layout = _smem_layout(block_rows, D, t.dtype == torch.bfloat16)
-    cols = row_stride if col_h else D  # a row holds every head (B, S, H, D), or one head's D values
+    cols = t.shape[-2] * D if col_h else D  # a row holds every head ((B, S, H, D), packed), or one head's values
     desc = TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, D], layout)
     return desc, (per_b, per_h, col_h)
 
@@ -345,13 +372,16 @@ def ws_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: 
     q_desc, q_map = _descriptor(q, 64)
     k_desc, k_map = _descriptor(k, plan.block_n)
     v_desc, v_map = _descriptor(v, plan.block_n)
-    sb, ss, sh, _ = out.stride()
+    packed = geo.cu_seqlens is not None
+    # strides of out (batch, sequence, head) and lse (batch, head); packed: no batch stride, tok0 offsets instead
+    sb, ss, sh = (0, *out.stride()[:2]) if packed else out.stride()[:3]
+    lb, lh = (0, lse.stride(0)) if packed else lse.stride()[:2]
     grid = (triton.cdiv(geo.seq_q, 64 * plan.consumers), geo.batch * geo.num_heads)
     _ws_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, *q_map, *k_map, *v_map, sb, ss, sh, lse.stride(0), lse.stride(1),
-        geo.seq_q, geo.seq_k, geo.num_heads, geo.group, scale * _LOG2E, HEAD_D=geo.head_dim, BLOCK_N=plan.block_n,
+        q_desc, k_desc, v_desc, out, lse, geo.cu_seqlens if packed else lse, *q_map, *k_map, *v_map, sb, ss, sh, lb,
+        lh, geo.seq_q, geo.seq_k, geo.num_heads, geo.group, scale * _LOG2E, HEAD_D=geo.head_dim, BLOCK_N=plan.block_n,
         STAGES=plan.stages, IS_CAUSAL=causal, NCONS=plan.consumers, PP=plan.pingpong,
-        CONSUMER_REGS=plan.consumer_regs, num_warps=4, maxnreg=plan.maxnreg,
+        CONSUMER_REGS=plan.consumer_regs, IS_VARLEN=packed, num_warps=4, maxnreg=plan.maxnreg,
     )
     return out, lse
 

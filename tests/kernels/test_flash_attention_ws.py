@@ -5,7 +5,8 @@ with register reallocation and without spilling, the ping-pong's named barriers 
 of both supported layouts addresses the same elements as the tensor; the plan follows the measured rule and only
 applies where the kernel does. On a Hopper GPU: outputs, log-sum-exps and the gradients computed from them match the
 float64 reference by the attention tolerance rule, for both layouts, GQA, causal and not, ragged and unequal
-lengths, rows that see no key, by the default rule and forced.
+lengths, rows that see no key, by the default rule and forced; likewise for packed documents (down to one token, a
+long document beside short ones, query/key/value sliced from one fused projection output).
 """
 
 from __future__ import annotations
@@ -34,26 +35,27 @@ from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
 
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 stats = {}
-for head_dim, causal, plan in json.loads(sys.argv[1]):
+for head_dim, causal, plan, varlen in json.loads(sys.argv[1]):
     plan = ws.WsPlan(*plan)
     block_n = plan.block_n
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
-    sig = {"q_desc": desc(64), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": "*bf16", "LSE": "*fp32"}
+    sig = {"q_desc": desc(64), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": "*bf16", "LSE": "*fp32",
+           "CU_SEQLENS": "*i32"}
     for name in ("q_rb", "q_rh", "q_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "stride_ob", "stride_os",
                  "stride_oh", "stride_lb", "stride_lh", "seq_q", "seq_k", "num_heads", "group"):
         sig[name] = "i32"
     sig["qk_scale"] = "fp32"
     consts = dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=plan.stages, IS_CAUSAL=causal, NCONS=plan.consumers,
-                  PP=plan.pingpong, CONSUMER_REGS=plan.consumer_regs)
+                  PP=plan.pingpong, CONSUMER_REGS=plan.consumer_regs, IS_VARLEN=varlen)
     sig.update({name: "constexpr" for name in consts})
     compiled = triton.compile(GluonASTSource(ws._ws_fwd_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "maxnreg": plan.maxnreg})
     path = os.path.join(sys.argv[2], "k.cubin")
     open(path, "wb").write(compiled.asm["cubin"])
     sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, check=True).stdout
-    stats[str((head_dim, causal, plan.consumers, plan.pingpong))] = {
+    stats[str((head_dim, causal, plan.consumers, plan.pingpong, varlen))] = {
         "hgmma": len(re.findall(r"HGMMA", sass)), "spills": len(re.findall(r"\bSTL\b", sass)),
         "setmaxnreg": len(re.findall(r"USETMAXREG", sass)), "tma": len(re.findall(r"UTMALDG", sass)),
         "warps": compiled.metadata.num_warps, "named_bars": len(re.findall(r"BAR\.(?:SYNC|ARV)[^;]*0x100", sass))}
@@ -69,7 +71,8 @@ def test_compiles_for_sm90_into_warpgroups_without_spills(tmp_path) -> None:
         pytest.skip("no cuobjdump in this Triton wheel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cases = [(128, False, ws._HD128), (64, False, ws._HD64), (64, True, ws._HD64_CAUSAL)]
+    cases = [(128, False, ws._HD128, False), (64, False, ws._HD64, False), (64, True, ws._HD64_CAUSAL, False),
+             (128, True, ws._HD128, True)]  # the last one packed
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases), str(tmp_path)], capture_output=True,
                          text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -79,7 +82,7 @@ def test_compiles_for_sm90_into_warpgroups_without_spills(tmp_path) -> None:
         assert got["hgmma"] > 0 and got["tma"] > 0, case
         assert got["spills"] == 0, f"register spills at {case}"
         assert got["setmaxnreg"] > 0, f"no register reallocation between partitions at {case}"
-    for (_, _, plan), got in zip(cases, stats.values(), strict=True):
+    for (_, _, plan, _), got in zip(cases, stats.values(), strict=True):
         assert got["warps"] == 4 * (plan.consumers + 1), plan  # the loader's warpgroup: one warp, padded
         assert (got["named_bars"] > 0) == plan.pingpong, plan
 
@@ -103,6 +106,23 @@ def test_tma_rows_refuse_other_strides() -> None:
     assert ws.tma_rows(t[:, :, :2]) is None  # heads sliced: rows are not whole
     assert ws.tma_rows(t.transpose(0, 1)) is None
     assert ws.tma_rows(torch.zeros(2, 16, 4, 130)[..., :128]) is None  # padded rows: not a (B, S, H, D) stride
+    packed = torch.zeros(50, 4, 64)
+    assert ws.tma_rows(packed.transpose(0, 1).contiguous().transpose(0, 1)) is None  # (H, total, D) storage
+    assert ws.tma_rows(torch.zeros(50, 4, 72)[..., :64]) is None  # heads not side by side
+    assert ws.tma_rows(torch.zeros(50 * 4 * 64 + 1)[1:].view(50, 4, 64)) is None  # not 16-byte aligned
+    assert ws.tma_rows(torch.zeros(50, 4 * 64 + 2)[:, : 4 * 64].view(50, 4, 64)) is None  # token stride: 8 bytes off
+
+
+def test_tma_rows_of_packed_tensors_and_fused_qkv_slices() -> None:
+    """A packed ``(total, H, D)`` tensor is rows = tokens, its heads side by side; the query, key and value slices
+    of a fused projection's output keep the whole fused row as their token stride."""
+    total, H, Hkv, D = 37, 4, 2, 64
+    fused = torch.zeros(total, H + 2 * Hkv, D)
+    for t in (torch.zeros(total, H, D), fused[:, :H], fused[:, H : H + Hkv], fused[:, H + Hkv :]):
+        rows, row_stride, per_b, per_h, col_h = ws.tma_rows(t)  # type: ignore[misc]
+        assert (rows, per_b, per_h, col_h) == (total, 0, 0, D) and row_stride == t.stride(0)
+        for tok, h in [(0, 0), (36, t.shape[1] - 1), (17, 1)]:
+            assert tok * row_stride + h * col_h == (t[tok, h].data_ptr() - t.data_ptr()) // t.element_size()
 
 
 def test_not_taken_off_the_gpu_and_bad_modes_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,7 +139,8 @@ def test_not_taken_off_the_gpu_and_bad_modes_refused(monkeypatch: pytest.MonkeyP
 def test_plan_follows_the_measured_rule() -> None:
     """Head dim 128: two plain consumers, under the causal mask from 2k keys; head dim 64: three, ping-pong without
     a mask from 2k keys, plain with it from 8k; any length when forced (the Triton forward was as fast or faster
-    below)."""
+    below). Packed: head dim 128 without a mask, and with it from a mean document length of 1024; head dim 64 only
+    when forced."""
     hd128, hd64 = ws.WsPlan(2, False, 128, 2, 168, 240), ws.WsPlan(3, True, 128, 3, 128, 160)
     hd64_causal = ws.WsPlan(3, False, 128, 3, 128, 160)
     expect = {  # (head_dim, causal) -> plans at 1, 1024, 2048, 4096, 8192, 16384 keys
@@ -132,6 +153,14 @@ def test_plan_follows_the_measured_rule() -> None:
         for seq_k, plan in zip((1, 1024, 2048, 4096, 8192, 16384), plans, strict=True):
             assert ws.choose_plan(head_dim, causal, seq_k) == plan, (head_dim, causal, seq_k)
             assert ws.choose_plan(head_dim, causal, seq_k, "ws") == plans[-1]
+    for length in (1, 512, 1023):  # packed, by the mean document length
+        assert ws.choose_plan(128, False, length, packed=True) == hd128
+        assert ws.choose_plan(128, True, length, packed=True) is None
+        assert ws.choose_plan(128, True, length, "ws", packed=True) == hd128
+    assert ws.choose_plan(128, True, 1024, packed=True) == hd128
+    for causal in (False, True):  # head dim 64 packed: only when forced
+        assert ws.choose_plan(64, causal, 16384, packed=True) is None
+        assert ws.choose_plan(64, causal, 1, "ws", packed=True) == (hd64_causal if causal else hd64)
     for plan in (ws._HD128, ws._HD64, ws._HD64_CAUSAL):  # every warp's registers fit the 64k register file
         warpgroups = plan.consumers + 1
         assert warpgroups * 128 * plan.maxnreg <= 65536
@@ -173,12 +202,19 @@ def test_matches_reference_on_hopper(monkeypatch: pytest.MonkeyPatch, head_dim, 
     q, k, v = make(seq, heads), make(seq_k, kv_heads), make(seq_k, kv_heads)
     do = torch.randn(q.shape, generator=g, device="cuda").bfloat16()
     out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
-    grads = torch.autograd.grad(out, (q, k, v), do)
     assert taken, "the warp-specialized forward was not used"
+    _assert_matches_reference(q, k, v, do, out, lse, causal=causal)
+
+
+def _assert_matches_reference(q, k, v, do, out, lse, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    """``out``/``lse`` and the gradients through them against float64 (the attention tolerance rule: at most twice
+    the error of plain PyTorch in the inputs' dtype, lse to 1e-2 / sqrt(D)); ``kwargs``: causal, packing."""
+    head_dim = q.shape[-1]
+    grads = torch.autograd.grad(out, (q, k, v), do)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     plain_in = [t.detach().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse = flash_attention_ref(*ref_in, causal=causal, return_lse=True)
-    plain = flash_attention_ref(*plain_in, causal=causal, upcast=False)
+    ref, ref_lse = flash_attention_ref(*ref_in, return_lse=True, **kwargs)
+    plain = flash_attention_ref(*plain_in, upcast=False, **kwargs)
     blind = torch.isinf(ref_lse)  # rows that see no key: lse -inf, output 0
     assert torch.equal(torch.isinf(lse), blind) and not torch.isnan(lse).any()
     lse_err = (lse.double() - ref_lse)[~blind].abs().max().item()
@@ -189,3 +225,38 @@ def test_matches_reference_on_hopper(monkeypatch: pytest.MonkeyPatch, head_dim, 
         assert not torch.isnan(a).any(), name
         err, err_plain = (a.double() - r).abs().max().item(), (p.double() - r).abs().max().item()
         assert err <= 2 * err_plain + 1e-6, f"{name}: {err} vs plain bf16 {err_plain}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized forward runs on sm_90 only")
+@pytest.mark.parametrize("head_dim,heads,kv_heads,causal,lens,mode,fused,taken_expected", [
+    (128, 4, 4, True, [1024, 1024, 1100], "auto", False, True),  # documents average over 1024 tokens
+    (128, 8, 2, False, [1, 17, 300, 5, 129], "auto", False, True),  # no mask: any pack
+    (128, 2, 2, True, [300, 200], "auto", False, False),  # short causal documents: the Triton forward
+    (128, 4, 2, True, [2000, 1, 1, 64, 129, 3], "ws", True, True),  # blocks past short documents return early
+    (64, 6, 3, True, [64, 65, 1000, 3], "ws", False, True),
+    (64, 4, 1, False, [17, 511], "ws", True, True),  # ping-pong
+])  # fmt: skip
+def test_packed_matches_reference_on_hopper(monkeypatch: pytest.MonkeyPatch, head_dim, heads, kv_heads, causal, lens,
+                                            mode, fused, taken_expected) -> None:
+    """Packed documents of ragged lengths (down to one token), GQA, and query/key/value as slices of one fused
+    projection output (token stride wider than the heads)."""
+    from lightning_llmopt.kernels import flash_attention
+
+    monkeypatch.setenv("LLMOPT_FLASH_FWD", mode)
+    taken = []
+    monkeypatch.setattr(ws, "ws_fwd", lambda *a, _f=ws.ws_fwd: taken.append(1) or _f(*a))
+    g = torch.Generator(device="cuda").manual_seed(sum(lens))
+    total = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    if fused:
+        qkv = torch.randn(total, heads + 2 * kv_heads, head_dim, generator=g, device="cuda").bfloat16()
+        q, k, v = (t.requires_grad_() for t in qkv.split([heads, kv_heads, kv_heads], dim=1))
+        assert q.stride(0) == qkv.stride(0)
+    else:
+        q, k, v = (torch.randn(total, h, head_dim, generator=g, device="cuda").bfloat16().requires_grad_()
+                   for h in (heads, kv_heads, kv_heads))
+    do = torch.randn(q.shape, generator=g, device="cuda").bfloat16()
+    out, lse = flash_attention(q, k, v, causal=causal, cu_seqlens=cu, return_lse=True)
+    assert bool(taken) == taken_expected
+    _assert_matches_reference(q, k, v, do, out, lse, causal=causal, cu_seqlens=cu, max_seqlen=max(lens))
