@@ -73,13 +73,14 @@ class WsPlan(NamedTuple):
     stages: int
     maxnreg: int  # what every warp starts with: (consumers + 1) warpgroups of 128 threads share 64k registers
     consumer_regs: int
+    persistent: bool = False  # dense calls: flash_attention_fwd_ws_persistent (packed calls never)
 
 
-_HD128 = WsPlan(2, False, 128, 2, 168, 240)
+_HD128 = WsPlan(2, False, 128, 2, 168, 240, True)
 _HD64 = WsPlan(3, True, 128, 3, 128, 160)
 _HD64_CAUSAL = WsPlan(3, False, 128, 3, 128, 160)
 # the shortest key length each (head dim, causal) takes this kernel from (module docstring)
-_FROM = {(128, False): 0, (128, True): 2048, (64, False): 2048, (64, True): 8192}
+_FROM = {(128, False): 0, (128, True): 0, (64, False): 2048, (64, True): 8192}
 # packed input, by the mean document length (total tokens / documents); head dim 64 stays with the Triton forward
 _PACKED_FROM = {(128, False): 0, (128, True): 1024}
 _NAMED_BAR0 = gl.constexpr(8)  # the ping-pong's named barriers: 8 + consumer
@@ -121,15 +122,16 @@ def _named_bar(bar_id: gl.constexpr, ARRIVE: gl.constexpr):
 
 
 @gluon.jit
-def _plain_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, n_tiles, row0, seq_k, q_off, full_hi, qk_scale,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MMA_S: gl.constexpr,
+def _plain_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, it0, n_tiles, row0, seq_k, q_off, full_hi,
+                qk_scale, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, MMA_S: gl.constexpr,
                 MMA_O: gl.constexpr):
-    """Per key tile: ``s = q k^T``, softmax, ``o += p v``, each product retired before the next step."""
+    """Per key tile: ``s = q k^T``, softmax, ``o += p v``, each product retired before the next step. The tiles
+    are the ring's ``it0``-th onwards (0 here; the persistent kernel's ring runs on across its tiles)."""
     OP_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
     zero_s = gl.zeros([64, BLOCK_N], gl.float32, MMA_S)
     for j in range(n_tiles):
-        stage = j % STAGES
-        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        stage = (it0 + j) % STAGES
+        mbarrier.wait(ready.index(stage), ((it0 + j) // STAGES) & 1)
         s = warpgroup_mma(q_h, k_bufs.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j * BLOCK_N, row0, seq_k, q_off, full_hi, qk_scale,
@@ -194,38 +196,66 @@ def _consumer(shared, ME: gl.constexpr, NCONS: gl.constexpr, PP: gl.constexpr, H
     ``shared``: the arguments every consumer of the program gets (the kernel's ``shared`` tuple)."""
     (q_smem, k_bufs, v_bufs, q_bar, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, b, h,
      start_m, n_tiles, seq_q, seq_k, qk_scale, tok0) = shared
-    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_N, 16])
-    MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, HEAD_D, 16])
+    MMA_S: gl.constexpr = mma_layout(BLOCK_N)
+    MMA_O: gl.constexpr = mma_layout(HEAD_D)
     row0 = start_m + ME * 64
-    q_off = seq_k - seq_q  # bottom-right alignment of the causal mask
-    full_hi = (seq_k // BLOCK_N) * BLOCK_N  # tiles below it need no mask
-    if IS_CAUSAL:
-        full_hi = gl.minimum(full_hi, ((row0 + q_off + 1) // BLOCK_N) * BLOCK_N)
+    q_off, full_hi = row_bounds(row0, seq_q, seq_k, BLOCK_N, IS_CAUSAL)
     q_h = q_smem.index(ME)
-    o = gl.zeros([64, HEAD_D], gl.float32, MMA_O)
-    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_S))
-    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, MMA_S))
+    o, m_i, l_i = fresh_rows(HEAD_D, BLOCK_N)
     mbarrier.wait(q_bar, 0)
     if PP:
         if n_tiles > 0:  # the same for every consumer of the block, so the barriers stay matched
             o, m_i, l_i = _pingpong_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, n_tiles, row0, seq_k, q_off,
                                          full_hi, qk_scale, ME, NCONS, BLOCK_N, STAGES, IS_CAUSAL, MMA_S, MMA_O)
     else:
-        o, m_i, l_i = _plain_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, n_tiles, row0, seq_k, q_off,
+        o, m_i, l_i = _plain_loop(q_h, k_bufs, v_bufs, ready, empty, o, m_i, l_i, 0, n_tiles, row0, seq_k, q_off,
                                   full_hi, qk_scale, BLOCK_N, STAGES, IS_CAUSAL, MMA_S, MMA_O)
+    out_rows = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    lse_rows = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+    write_rows(o, m_i, l_i, out_rows, lse_rows, row0, tok0, seq_q, stride_os, HEAD_D, MMA_S, MMA_O)
+
+
+@gluon.constexpr_function
+def mma_layout(n):  # type: ignore[no-untyped-def]
+    """The WGMMA accumulator layout of a warpgroup's ``64 x n`` product."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def row_bounds(row0, seq_q, seq_k, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """``(q_off, full_hi)`` of the 64 query rows from ``row0``: the causal mask's bottom-right offset, and the key
+    index below which tiles need no mask."""
+    q_off = seq_k - seq_q
+    full_hi = (seq_k // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        full_hi = gl.minimum(full_hi, ((row0 + q_off + 1) // BLOCK_N) * BLOCK_N)
+    return q_off, full_hi
+
+
+@gluon.jit
+def fresh_rows(HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The output accumulator, row max and row sum of 64 query rows before any key."""
+    o = gl.zeros([64, HEAD_D], gl.float32, mma_layout(HEAD_D))
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, mma_layout(BLOCK_N)))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, mma_layout(BLOCK_N)))
+    return o, m_i, l_i
+
+
+@gluon.jit
+def write_rows(o, m_i, l_i, out_rows, lse_rows, row0, tok0, seq_q, stride_os, HEAD_D: gl.constexpr,
+               MMA_S: gl.constexpr, MMA_O: gl.constexpr):
+    """``o / l`` to the rows ``row0 + i < seq_q`` of a sequence starting ``tok0`` rows (stride ``stride_os``) after
+    ``out_rows``, and their natural-log ``lse`` (``-inf`` where no key was visible, with output 0) after
+    ``lse_rows``."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, MMA_O))
     out = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     offs_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_O))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, MMA_O))
-    o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-              + (tok0 + offs_m[:, None]).to(gl.int64) * stride_os + offs_d[None, :])
-    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seq_q)
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # -inf where no key was visible
+    o_ptrs = out_rows + (tok0 + offs_m[:, None]).to(gl.int64) * stride_os + offs_d[None, :]
+    gl.store(o_ptrs, out.to(out_rows.dtype.element_ty), mask=offs_m[:, None] < seq_q)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     offs_l = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_S))
-    gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + tok0 + offs_l, lse,
-             mask=offs_l < seq_q)
+    gl.store(lse_rows + tok0 + offs_l, lse, mask=offs_l < seq_q)
 
 
 @gluon.jit
@@ -367,12 +397,16 @@ def ws_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: 
            plan: WsPlan) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` as :func:`~lightning_llmopt.kernels.flash_attention_fwd.flash_fwd` returns them, launched by
     ``plan`` (from :func:`ws_plan`)."""
+    packed = geo.cu_seqlens is not None
+    if plan.persistent and not packed:
+        from lightning_llmopt.kernels.flash_attention_fwd_ws_persistent import ws_fwd_persistent
+
+        return ws_fwd_persistent(q, k, v, geo, causal, scale, plan)
     out = torch.empty_like(q)
     lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
     q_desc, q_map = _descriptor(q, 64)
     k_desc, k_map = _descriptor(k, plan.block_n)
     v_desc, v_map = _descriptor(v, plan.block_n)
-    packed = geo.cu_seqlens is not None
     # strides of out (batch, sequence, head) and lse (batch, head); packed: no batch stride, tok0 offsets instead
     sb, ss, sh = (0, *out.stride()[:2]) if packed else out.stride()[:3]
     lb, lh = (0, lse.stride(0)) if packed else lse.stride()[:2]

@@ -22,6 +22,7 @@ import torch
 import triton
 
 from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
+from lightning_llmopt.kernels import flash_attention_fwd_ws_persistent as wp
 from lightning_llmopt.kernels.flash_attention_common import geometry
 from lightning_llmopt.kernels.flash_attention_ref import flash_attention_ref
 
@@ -32,30 +33,37 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import triton.experimental.gluon.language as gl
 from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
+from lightning_llmopt.kernels import flash_attention_fwd_ws_persistent as wp
 
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 stats = {}
-for head_dim, causal, plan, varlen in json.loads(sys.argv[1]):
+for head_dim, causal, plan, varlen, persistent in json.loads(sys.argv[1]):
     plan = ws.WsPlan(*plan)
     block_n = plan.block_n
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
-    sig = {"q_desc": desc(64), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": "*bf16", "LSE": "*fp32",
-           "CU_SEQLENS": "*i32"}
+    sig = {"q_desc": desc(64), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": "*bf16", "LSE": "*fp32"}
+    if not persistent:
+        sig["CU_SEQLENS"] = "*i32"
     for name in ("q_rb", "q_rh", "q_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "stride_ob", "stride_os",
                  "stride_oh", "stride_lb", "stride_lh", "seq_q", "seq_k", "num_heads", "group"):
         sig[name] = "i32"
+    if persistent:
+        sig.update(n_mblk="i32", BH="i32", CH="i32")
     sig["qk_scale"] = "fp32"
     consts = dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=plan.stages, IS_CAUSAL=causal, NCONS=plan.consumers,
                   PP=plan.pingpong, CONSUMER_REGS=plan.consumer_regs, IS_VARLEN=varlen)
+    if persistent:
+        del consts["PP"], consts["IS_VARLEN"]
     sig.update({name: "constexpr" for name in consts})
-    compiled = triton.compile(GluonASTSource(ws._ws_fwd_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+    kernel = wp._ws_fwd_persistent_kernel if persistent else ws._ws_fwd_kernel
+    compiled = triton.compile(GluonASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "maxnreg": plan.maxnreg})
     path = os.path.join(sys.argv[2], "k.cubin")
     open(path, "wb").write(compiled.asm["cubin"])
     sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, check=True).stdout
-    stats[str((head_dim, causal, plan.consumers, plan.pingpong, varlen))] = {
+    stats[str((head_dim, causal, plan.consumers, plan.pingpong, varlen, persistent))] = {
         "hgmma": len(re.findall(r"HGMMA", sass)), "spills": len(re.findall(r"\bSTL\b", sass)),
         "setmaxnreg": len(re.findall(r"USETMAXREG", sass)), "tma": len(re.findall(r"UTMALDG", sass)),
         "warps": compiled.metadata.num_warps, "named_bars": len(re.findall(r"BAR\.(?:SYNC|ARV)[^;]*0x100", sass))}
@@ -71,8 +79,8 @@ def test_compiles_for_sm90_into_warpgroups_without_spills(tmp_path) -> None:
         pytest.skip("no cuobjdump in this Triton wheel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cases = [(128, False, ws._HD128, False), (64, False, ws._HD64, False), (64, True, ws._HD64_CAUSAL, False),
-             (128, True, ws._HD128, True)]  # the last one packed
+    cases = [(128, False, ws._HD128, False, True), (64, False, ws._HD64, False, False),
+             (64, True, ws._HD64_CAUSAL, False, False), (128, True, ws._HD128, True, False)]  # persistent, packed
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases), str(tmp_path)], capture_output=True,
                          text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -82,7 +90,7 @@ def test_compiles_for_sm90_into_warpgroups_without_spills(tmp_path) -> None:
         assert got["hgmma"] > 0 and got["tma"] > 0, case
         assert got["spills"] == 0, f"register spills at {case}"
         assert got["setmaxnreg"] > 0, f"no register reallocation between partitions at {case}"
-    for (_, _, plan, _), got in zip(cases, stats.values(), strict=True):
+    for (_, _, plan, _, _), got in zip(cases, stats.values(), strict=True):
         assert got["warps"] == 4 * (plan.consumers + 1), plan  # the loader's warpgroup: one warp, padded
         assert (got["named_bars"] > 0) == plan.pingpong, plan
 
@@ -137,15 +145,15 @@ def test_not_taken_off_the_gpu_and_bad_modes_refused(monkeypatch: pytest.MonkeyP
 
 
 def test_plan_follows_the_measured_rule() -> None:
-    """Head dim 128: two plain consumers, under the causal mask from 2k keys; head dim 64: three, ping-pong without
-    a mask from 2k keys, plain with it from 8k; any length when forced (the Triton forward was as fast or faster
-    below). Packed: head dim 128 without a mask, and with it from a mean document length of 1024; head dim 64 only
-    when forced."""
-    hd128, hd64 = ws.WsPlan(2, False, 128, 2, 168, 240), ws.WsPlan(3, True, 128, 3, 128, 160)
+    """Head dim 128: two plain consumers, persistent when dense, at every length; head dim 64: three, ping-pong
+    without a mask from 2k keys, plain with it from 8k; any length when forced (the Triton forward was as fast or
+    faster below). Packed: head dim 128 without a mask, and with it from a mean document length of 1024; head dim
+    64 only when forced."""
+    hd128, hd64 = ws.WsPlan(2, False, 128, 2, 168, 240, persistent=True), ws.WsPlan(3, True, 128, 3, 128, 160)
     hd64_causal = ws.WsPlan(3, False, 128, 3, 128, 160)
     expect = {  # (head_dim, causal) -> plans at 1, 1024, 2048, 4096, 8192, 16384 keys
         (128, False): [hd128] * 6,
-        (128, True): [None, None] + [hd128] * 4,
+        (128, True): [hd128] * 6,
         (64, False): [None, None] + [hd64] * 4,
         (64, True): [None] * 4 + [hd64_causal] * 2,
     }
@@ -167,6 +175,32 @@ def test_plan_follows_the_measured_rule() -> None:
         assert plan.consumers * 128 * plan.consumer_regs + 128 * 24 <= 65536
 
 
+def _persistent_order(n_mblk: int, pairs: int, sms: int) -> list[list[tuple[int, int]]]:
+    """The (query block, pair) tiles each program of the persistent kernel takes, in the order of its docstring."""
+    programs, chunk = wp.persistent_grid(n_mblk, pairs, sms)
+    per_program: list[list[tuple[int, int]]] = [[] for _ in range(programs)]
+    for t in range(n_mblk * pairs):
+        c, r = divmod(t, chunk * n_mblk)
+        width = min(chunk, pairs - c * chunk)
+        if c % 2:
+            r = width * n_mblk - 1 - r
+        per_program[t % programs].append((n_mblk - 1 - r // width, c * chunk + r % width))
+    return per_program
+
+
+@pytest.mark.parametrize("n_mblk,pairs", [(8, 256), (16, 128), (128, 16), (8, 72), (1, 4), (200, 3)])
+def test_persistent_order_covers_every_tile_once_and_balances_causal_work(n_mblk: int, pairs: int) -> None:
+    """Every tile once; at most one program per SM; under the causal mask (block m: m + 1 key tiles) no program
+    does more than its even share plus one tile's worth, when the pairs divide into chunks."""
+    order = _persistent_order(n_mblk, pairs, sms=132)
+    assert len(order) <= 132
+    tiles = [tile for program in order for tile in program]
+    assert sorted(tiles) == sorted((m, p) for m in range(n_mblk) for p in range(pairs))
+    work = [sum(m + 1 for m, _ in program) for program in order]
+    if pairs % wp.persistent_grid(n_mblk, pairs, 132)[1] == 0 and n_mblk <= 132:
+        assert max(work) - min(work) <= n_mblk, work
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -184,6 +218,7 @@ def _hopper() -> bool:
     (128, 4, 2, True, 700, 300, "bhsd", "ws"),  # the first 400 query rows see no key (bottom-right causal)
     (64, 2, 2, False, 2048, 2048, "bshd", "auto"),  # ping-pong by the default rule
     (128, 2, 1, True, 2048, 2048, "bshd", "auto"),
+    (128, 36, 4, True, 1000, 1000, "bshd", "auto"),  # persistent: 72 pairs in chunks of 16, the last one of 8
 ])  # fmt: skip
 def test_matches_reference_on_hopper(monkeypatch: pytest.MonkeyPatch, head_dim, heads, kv_heads, causal, seq, seq_k,
                                      layout, mode) -> None:
@@ -260,3 +295,18 @@ def test_packed_matches_reference_on_hopper(monkeypatch: pytest.MonkeyPatch, hea
     out, lse = flash_attention(q, k, v, causal=causal, cu_seqlens=cu, return_lse=True)
     assert bool(taken) == taken_expected
     _assert_matches_reference(q, k, v, do, out, lse, causal=causal, cu_seqlens=cu, max_seqlen=max(lens))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized forward runs on sm_90 only")
+@pytest.mark.parametrize("batch,seq,heads,kv_heads,causal", [(2, 1000, 36, 4, True), (1, 3000, 8, 8, False),
+                                                             (3, 257, 16, 2, True)])
+def test_persistent_is_bit_identical_to_one_program_per_tile(batch, seq, heads, kv_heads, causal) -> None:
+    g = torch.Generator(device="cuda").manual_seed(seq)
+    q = torch.randn(batch, seq, heads, 128, generator=g, device="cuda").bfloat16()
+    k, v = (torch.randn(batch, seq, kv_heads, 128, generator=g, device="cuda").bfloat16() for _ in range(2))
+    geo = geometry(q, k, None, None)
+    assert ws._HD128.persistent
+    got = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128)
+    want = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128._replace(persistent=False))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
