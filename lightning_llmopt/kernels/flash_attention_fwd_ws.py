@@ -58,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lightning_llmopt.kernels.flash_attention_common import Geometry, cuda_capability
+from lightning_llmopt.kernels.launch_cache import LaunchCache
 
 # TMA copy into shared memory: ``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -76,6 +77,8 @@ class WsPlan(NamedTuple):
     persistent: bool = False  # dense calls: flash_attention_fwd_ws_persistent (packed calls never)
 
 
+# launches after the first of each (kernel, plan, head dim, mask, packing) skip JITFunction.run (launch_cache.py)
+LAUNCHES = LaunchCache()
 _HD128 = WsPlan(2, False, 128, 2, 168, 240, True)
 _HD64 = WsPlan(3, True, 128, 3, 128, 160)
 _HD64_CAUSAL = WsPlan(3, False, 128, 3, 128, 160)
@@ -411,12 +414,12 @@ def ws_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: 
     sb, ss, sh = (0, *out.stride()[:2]) if packed else out.stride()[:3]
     lb, lh = (0, lse.stride(0)) if packed else lse.stride()[:2]
     grid = (triton.cdiv(geo.seq_q, 64 * plan.consumers), geo.batch * geo.num_heads)
-    _ws_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, geo.cu_seqlens if packed else lse, *q_map, *k_map, *v_map, sb, ss, sh, lb,
-        lh, geo.seq_q, geo.seq_k, geo.num_heads, geo.group, scale * _LOG2E, HEAD_D=geo.head_dim, BLOCK_N=plan.block_n,
-        STAGES=plan.stages, IS_CAUSAL=causal, NCONS=plan.consumers, PP=plan.pingpong,
-        CONSUMER_REGS=plan.consumer_regs, IS_VARLEN=packed, num_warps=4, maxnreg=plan.maxnreg,
-    )
+    args = (q_desc, k_desc, v_desc, out, lse, geo.cu_seqlens if packed else lse, *q_map, *k_map, *v_map, sb, ss, sh,
+            lb, lh, geo.seq_q, geo.seq_k, geo.num_heads, geo.group, scale * _LOG2E)
+    consts = dict(HEAD_D=geo.head_dim, BLOCK_N=plan.block_n, STAGES=plan.stages, IS_CAUSAL=causal,
+                  NCONS=plan.consumers, PP=plan.pingpong, CONSUMER_REGS=plan.consumer_regs, IS_VARLEN=packed)
+    LAUNCHES.launch(_ws_fwd_kernel, ("ws", plan, geo.head_dim, causal, packed), grid, args, consts,
+                    {"num_warps": 4, "maxnreg": plan.maxnreg})
     return out, lse
 
 

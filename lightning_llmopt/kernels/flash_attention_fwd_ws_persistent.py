@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from lightning_llmopt.kernels.flash_attention_common import Geometry
 from lightning_llmopt.kernels.flash_attention_fwd_ws import (
     _LOG2E,
+    LAUNCHES,
     WsPlan,
     _descriptor,
     _plain_loop,
@@ -186,12 +187,12 @@ def ws_fwd_persistent(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bo
     pairs = geo.batch * geo.num_heads
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     programs, chunk = persistent_grid(n_mblk, pairs, _sm_count(index))
-    _ws_fwd_persistent_kernel[(programs,)](
-        q_desc, k_desc, v_desc, out, lse, *q_map, *k_map, *v_map, sb, ss, sh, lse.stride(0), lse.stride(1),
-        geo.seq_q, geo.seq_k, geo.num_heads, geo.group, n_mblk, pairs, chunk, scale * _LOG2E, HEAD_D=geo.head_dim,
-        BLOCK_N=plan.block_n, STAGES=plan.stages, IS_CAUSAL=causal, NCONS=plan.consumers,
-        CONSUMER_REGS=plan.consumer_regs, num_warps=4, maxnreg=plan.maxnreg,
-    )
+    args = (q_desc, k_desc, v_desc, out, lse, *q_map, *k_map, *v_map, sb, ss, sh, lse.stride(0), lse.stride(1),
+            geo.seq_q, geo.seq_k, geo.num_heads, geo.group, n_mblk, pairs, chunk, scale * _LOG2E)
+    consts = dict(HEAD_D=geo.head_dim, BLOCK_N=plan.block_n, STAGES=plan.stages, IS_CAUSAL=causal,
+                  NCONS=plan.consumers, CONSUMER_REGS=plan.consumer_regs)
+    LAUNCHES.launch(_ws_fwd_persistent_kernel, ("persistent", plan, geo.head_dim, causal), (programs,), args, consts,
+                    {"num_warps": 4, "maxnreg": plan.maxnreg})
     return out, lse
 
 

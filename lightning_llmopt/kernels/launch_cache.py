@@ -28,8 +28,9 @@ _I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
 def arg_signature(args: tuple) -> tuple | None:
     """What Triton's specialization depends on, per argument: a tensor's dtype and whether its address is 16-byte
     aligned; an integer's equality to 1, divisibility by 16 and type (32-bit, 64-bit or unsigned 64-bit); a bool's
-    value; a float's type; ``None``. ``None`` (no signature) for any other kind of argument, which the cache then
-    does not take. Written for speed: it runs on every launch (about 35 arguments for a flash-attention pass)."""
+    value; a float's type; ``None``; a TMA descriptor's type. ``None`` (no signature) for any other kind of
+    argument, which the cache then does not take. Written for speed: it runs on every launch (about 35 arguments
+    for a flash-attention pass)."""
     sig: list[Any] = []
     for a in args:
         kind = type(a)
@@ -41,6 +42,11 @@ def arg_signature(args: tuple) -> tuple | None:
             sig.append(float)
         elif kind is bool or a is None:
             sig.append(a)
+        elif hasattr(a, "block_shape") and hasattr(a, "layout") and isinstance(getattr(a, "base", None), Tensor):
+            # a host-side TMA descriptor (Gluon's or Triton's TensorDescriptor): its type is what Triton specializes
+            # on (the base's dtype, the block shape, the shared-memory layout, the padding); shape and strides are
+            # encoded at every launch
+            sig.append((kind, a.base.dtype, tuple(a.block_shape), a.layout, getattr(a, "padding", None)))
         else:
             return None
     return tuple(sig)

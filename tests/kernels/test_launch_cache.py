@@ -30,6 +30,25 @@ def test_signature_changes_whenever_triton_would_specialize_differently() -> Non
     assert arg_signature(("not an argument kind the cache knows",)) is None
 
 
+def test_signature_of_tma_descriptors_is_their_type() -> None:
+    """A TMA descriptor specializes on its base's dtype, block shape and layout; its shape and strides are encoded
+    at launch, so a descriptor of a longer tensor launches the same compiled kernel."""
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+
+    def desc(t: torch.Tensor, rows: int):  # type: ignore[no-untyped-def]
+        dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 64], dtype)
+        return hopper.TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, 64], layout)
+
+    x = torch.zeros(256, 64, dtype=torch.bfloat16)
+    base = arg_signature((desc(x, 64), 32))
+    assert base is not None
+    assert arg_signature((desc(torch.zeros(512, 64, dtype=torch.bfloat16), 64), 32)) == base
+    assert arg_signature((desc(x, 128), 32)) != base  # block shape
+    assert arg_signature((desc(x.half(), 64), 32)) != base  # dtype, layout
+
+
 class _FakeCompiled:
     """A compiled kernel: ``run`` is its launcher, called as ``JITFunction.run`` calls it."""
 
