@@ -25,6 +25,9 @@ Packed input (16k-token packs, H100, 2026-11-27, benchmarks/results/sweeps/atten
 takes this kernel without a mask (1.02-1.20x the Triton forward) and under the causal one where documents average
 1024 tokens or more (1.06-1.21x; 0.96-0.98x at 256 and 512); head dim 64 stays with the Triton forward (this kernel
 measured 0.75x at 16 x 1k).
+Head dim 128 runs the persistent form of this kernel (:mod:`flash_attention_fwd_ws_persistent`, bit-identical
+outputs) on dense calls and on packs of equal documents; since it did, head dim 128 dense takes it at every length
+(1.18x the Triton forward at S = 1024 causal, where the one-program-per-tile kernel was only ~1.03x).
 ``LLMOPT_FLASH_FWD`` overrides the choice: ``triton`` never takes this kernel, ``ws`` takes it wherever it applies.
 
 Each tensor is viewed as a 2-D row-major matrix for its TMA descriptor: dense ``(B, S, H, D)`` contiguous (rows
@@ -74,7 +77,7 @@ class WsPlan(NamedTuple):
     stages: int
     maxnreg: int  # what every warp starts with: (consumers + 1) warpgroups of 128 threads share 64k registers
     consumer_regs: int
-    persistent: bool = False  # dense calls: flash_attention_fwd_ws_persistent (packed calls never)
+    persistent: bool = False  # flash_attention_fwd_ws_persistent where it applies (dense; packs of equal documents)
 
 
 # launches after the first of each (kernel, plan, head dim, mask, packing) skip JITFunction.run (launch_cache.py)
@@ -401,10 +404,12 @@ def ws_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: 
     """``(out, lse)`` as :func:`~lightning_llmopt.kernels.flash_attention_fwd.flash_fwd` returns them, launched by
     ``plan`` (from :func:`ws_plan`)."""
     packed = geo.cu_seqlens is not None
-    if plan.persistent and not packed:
+    if plan.persistent:
         from lightning_llmopt.kernels.flash_attention_fwd_ws_persistent import ws_fwd_persistent
 
-        return ws_fwd_persistent(q, k, v, geo, causal, scale, plan)
+        taken = ws_fwd_persistent(q, k, v, geo, causal, scale, plan)
+        if taken is not None:
+            return taken
     out = torch.empty_like(q)
     lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
     q_desc, q_map = _descriptor(q, 64)

@@ -48,9 +48,11 @@ from lightning_llmopt.kernels.flash_attention_fwd_ws import (
 
 
 @gluon.jit
-def _tile(t, n_mblk, BH, CH, num_heads, group, seq_q, seq_k, IS_CAUSAL: gl.constexpr, NCONS: gl.constexpr,
-          BLOCK_N: gl.constexpr):
-    """Tile ``t`` of the order in the module docstring: ``(b, h, h_kv, start_m, key tiles)``."""
+def _tile(t, n_mblk, BH, CH, num_heads, group, seq_q, seq_k, CU_SEQLENS, IS_CAUSAL: gl.constexpr,
+          NCONS: gl.constexpr, BLOCK_N: gl.constexpr, IS_VARLEN: gl.constexpr):
+    """Tile ``t`` of the order in the module docstring: ``(b, h, h_kv, start_m, key tiles, tok0, seq_q, seq_k)``;
+    packed, sequence ``b`` is document ``b`` (rows ``tok0 ..`` of its length), and a block past its end has no key
+    tile and writes nothing."""
     chunk = t // (CH * n_mblk)
     ch = gl.minimum(CH, BH - chunk * CH)  # the last chunk may hold fewer pairs
     r = t - chunk * (CH * n_mblk)
@@ -61,25 +63,33 @@ def _tile(t, n_mblk, BH, CH, num_heads, group, seq_q, seq_k, IS_CAUSAL: gl.const
     b = bh // num_heads
     h = bh % num_heads
     start_m = pid_m * (64 * NCONS)
+    tok0 = 0
+    if IS_VARLEN:
+        tok0 = gl.load(CU_SEQLENS + b)
+        seq_q = gl.load(CU_SEQLENS + b + 1) - tok0
+        seq_k = seq_q
     hi = seq_k
     if IS_CAUSAL:
         hi = gl.maximum(gl.minimum(seq_k, start_m + 64 * NCONS + seq_k - seq_q), 0)
-    return b, h, h // group, start_m, gl.cdiv(hi, BLOCK_N)
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    if start_m >= seq_q:
+        n_tiles = 0
+    return b, h, h // group, start_m, n_tiles, tok0, seq_q, seq_k
 
 
 @gluon.jit
 def _consumer(shared, ME: gl.constexpr, NCONS: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, IS_VARLEN: gl.constexpr):
     """Query rows ``[64 ME, 64 ME + 64)`` of each of the program's tiles."""
-    (q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh, stride_lb,
-     stride_lh, seq_q, seq_k, num_heads, group, n_mblk, BH, CH, total, qk_scale) = shared
+    (q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, Out, LSE, CU_SEQLENS, stride_ob, stride_os, stride_oh,
+     stride_lb, stride_lh, max_q, max_k, num_heads, group, n_mblk, BH, CH, total, qk_scale) = shared
     MMA_S: gl.constexpr = mma_layout(BLOCK_N)
     MMA_O: gl.constexpr = mma_layout(HEAD_D)
     it0 = 0  # the key/value ring position of the tile's first key tile
     local = 0  # the program's tiles so far (query buffer local % 2, its phase)
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        b, h, h_kv, start_m, n_tiles = _tile(t, n_mblk, BH, CH, num_heads, group, seq_q, seq_k, IS_CAUSAL, NCONS,
-                                             BLOCK_N)
+        b, h, h_kv, start_m, n_tiles, tok0, seq_q, seq_k = _tile(t, n_mblk, BH, CH, num_heads, group, max_q, max_k,
+                                                                 CU_SEQLENS, IS_CAUSAL, NCONS, BLOCK_N, IS_VARLEN)
         row0 = start_m + ME * 64
         q_off, full_hi = row_bounds(row0, seq_q, seq_k, BLOCK_N, IS_CAUSAL)
         qb = local % 2
@@ -93,29 +103,30 @@ def _consumer(shared, ME: gl.constexpr, NCONS: gl.constexpr, HEAD_D: gl.constexp
         local += 1
         out_rows = Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
         lse_rows = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-        write_rows(o, m_i, l_i, out_rows, lse_rows, row0, 0, seq_q, stride_os, HEAD_D, MMA_S, MMA_O)
+        write_rows(o, m_i, l_i, out_rows, lse_rows, row0, tok0, seq_q, stride_os, HEAD_D, MMA_S, MMA_O)
 
 
 @gluon.jit
-def _loader(loads, NCONS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _loader(loads, NCONS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+            IS_VARLEN: gl.constexpr):
     """Per tile: its query rows into a free query buffer, then its key/value tiles into the ring."""
-    (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, maps, seq_q, seq_k, num_heads,
-     group, n_mblk, BH, CH, total) = loads
+    (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, maps, max_q, max_k, num_heads,
+     group, n_mblk, BH, CH, total, CU_SEQLENS) = loads
     q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch = maps
     it = 0
     local = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        b, h, h_kv, start_m, n_tiles = _tile(t, n_mblk, BH, CH, num_heads, group, seq_q, seq_k, IS_CAUSAL, NCONS,
-                                             BLOCK_N)
+        b, h, h_kv, start_m, n_tiles, tok0, _, _ = _tile(t, n_mblk, BH, CH, num_heads, group, max_q, max_k, CU_SEQLENS,
+                                                         IS_CAUSAL, NCONS, BLOCK_N, IS_VARLEN)
         qb = local % 2
         mbarrier.wait(q_empty.index(qb), ((local // 2) & 1) ^ 1)  # a fresh barrier passes the first round
         bar = q_ready.index(qb)
         mbarrier.expect(bar, NCONS * q_desc.block_type.nbytes)
-        q_row = b * q_rb + h * q_rh + start_m
+        q_row = tok0 + b * q_rb + h * q_rh + start_m
         for i in gl.static_range(NCONS):
             _tma_load(q_desc, [q_row + 64 * i, h * q_ch], bar, q_smem.index(qb * NCONS + i))
-        k_row = b * k_rb + h_kv * k_rh
-        v_row = b * v_rb + h_kv * v_rh
+        k_row = tok0 + b * k_rb + h_kv * k_rh
+        v_row = tok0 + b * v_rb + h_kv * v_rh
         for j in range(n_tiles):
             stage = it % STAGES
             mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)
@@ -128,11 +139,11 @@ def _loader(loads, NCONS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.conste
 
 
 @gluon.jit
-def _ws_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, LSE, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
-                              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, seq_q, seq_k, num_heads, group,
-                              n_mblk, BH, CH, qk_scale, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NCONS: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr):
+def _ws_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, LSE, CU_SEQLENS, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb,
+                              v_rh, v_ch, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, seq_q, seq_k,
+                              num_heads, group, n_mblk, BH, CH, qk_scale, HEAD_D: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                              NCONS: gl.constexpr, CONSUMER_REGS: gl.constexpr, IS_VARLEN: gl.constexpr):
     total = n_mblk * BH
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * NCONS, 64, HEAD_D], q_desc.layout)
@@ -149,15 +160,15 @@ def _ws_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, LSE, q_rb, q_rh, q_ch
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=NCONS)
     fence_async_shared()
-    shared = (q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, Out, LSE, stride_ob, stride_os, stride_oh,
-              stride_lb, stride_lh, seq_q, seq_k, num_heads, group, n_mblk, BH, CH, total, qk_scale)
+    shared = (q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty, Out, LSE, CU_SEQLENS, stride_ob, stride_os,
+              stride_oh, stride_lb, stride_lh, seq_q, seq_k, num_heads, group, n_mblk, BH, CH, total, qk_scale)
     loads = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, ready, empty,
              (q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch), seq_q, seq_k, num_heads, group, n_mblk, BH, CH,
-             total)
+             total, CU_SEQLENS)
     gl.static_assert(NCONS == 2, "the persistent forward runs two consumer warpgroups")
-    gl.warp_specialize([(_consumer, (shared, 0, NCONS, HEAD_D, BLOCK_N, STAGES, IS_CAUSAL)),
-                        (_consumer, (shared, 1, NCONS, HEAD_D, BLOCK_N, STAGES, IS_CAUSAL)),
-                        (_loader, (loads, NCONS, BLOCK_N, STAGES, IS_CAUSAL))], [4, 1], [CONSUMER_REGS, 24])
+    gl.warp_specialize([(_consumer, (shared, 0, NCONS, HEAD_D, BLOCK_N, STAGES, IS_CAUSAL, IS_VARLEN)),
+                        (_consumer, (shared, 1, NCONS, HEAD_D, BLOCK_N, STAGES, IS_CAUSAL, IS_VARLEN)),
+                        (_loader, (loads, NCONS, BLOCK_N, STAGES, IS_CAUSAL, IS_VARLEN))], [4, 1], [CONSUMER_REGS, 24])
 
 
 @functools.cache
@@ -174,25 +185,36 @@ def persistent_grid(n_mblk: int, pairs: int, sms: int) -> tuple[int, int]:
 
 
 def ws_fwd_persistent(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: float,
-                      plan: WsPlan) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of dense input, as :func:`~lightning_llmopt.kernels.flash_attention_fwd_ws.ws_fwd` returns
-    them, from the persistent kernel (``plan``: two consumers, plain schedule)."""
+                      plan: WsPlan) -> tuple[Tensor, Tensor] | None:
+    """``(out, lse)`` as :func:`~lightning_llmopt.kernels.flash_attention_fwd_ws.ws_fwd` returns them, from the
+    persistent kernel (``plan``: two consumers, plain schedule), or ``None`` where it does not take the call.
+
+    It takes dense input, and packed input whose documents all have the longest one's length (``documents *
+    max_seqlen == total``, known on the host without reading ``cu_seqlens``): every pair then has the same query
+    blocks and the tile order balances them as in a dense batch. (Ragged packs go to the one-program-per-tile
+    kernel, where the hardware balances them; the kernel itself reads each document's bounds from ``cu_seqlens``
+    either way.)"""
+    packed = geo.cu_seqlens is not None
+    if packed and geo.batch * geo.seq_q != geo.total:
+        return None
     out = torch.empty_like(q)
     lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
     q_desc, q_map = _descriptor(q, 64)
     k_desc, k_map = _descriptor(k, plan.block_n)
     v_desc, v_map = _descriptor(v, plan.block_n)
-    sb, ss, sh, _ = out.stride()
+    # strides of out (sequence, token, head) and lse (sequence, head); packed: rows offset by each document's start
+    sb, ss, sh = (0, *out.stride()[:2]) if packed else out.stride()[:3]
+    lb, lh = (0, lse.stride(0)) if packed else lse.stride()[:2]
     n_mblk = triton.cdiv(geo.seq_q, 64 * plan.consumers)
     pairs = geo.batch * geo.num_heads
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     programs, chunk = persistent_grid(n_mblk, pairs, _sm_count(index))
-    args = (q_desc, k_desc, v_desc, out, lse, *q_map, *k_map, *v_map, sb, ss, sh, lse.stride(0), lse.stride(1),
-            geo.seq_q, geo.seq_k, geo.num_heads, geo.group, n_mblk, pairs, chunk, scale * _LOG2E)
+    args = (q_desc, k_desc, v_desc, out, lse, geo.cu_seqlens if packed else lse, *q_map, *k_map, *v_map, sb, ss, sh,
+            lb, lh, geo.seq_q, geo.seq_k, geo.num_heads, geo.group, n_mblk, pairs, chunk, scale * _LOG2E)
     consts = dict(HEAD_D=geo.head_dim, BLOCK_N=plan.block_n, STAGES=plan.stages, IS_CAUSAL=causal,
-                  NCONS=plan.consumers, CONSUMER_REGS=plan.consumer_regs)
-    LAUNCHES.launch(_ws_fwd_persistent_kernel, ("persistent", plan, geo.head_dim, causal), (programs,), args, consts,
-                    {"num_warps": 4, "maxnreg": plan.maxnreg})
+                  NCONS=plan.consumers, CONSUMER_REGS=plan.consumer_regs, IS_VARLEN=packed)
+    LAUNCHES.launch(_ws_fwd_persistent_kernel, ("persistent", plan, geo.head_dim, causal, packed), (programs,), args,
+                    consts, {"num_warps": 4, "maxnreg": plan.maxnreg})
     return out, lse
 
 

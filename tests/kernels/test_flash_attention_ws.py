@@ -43,9 +43,8 @@ for head_dim, causal, plan, varlen, persistent in json.loads(sys.argv[1]):
     def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
-    sig = {"q_desc": desc(64), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": "*bf16", "LSE": "*fp32"}
-    if not persistent:
-        sig["CU_SEQLENS"] = "*i32"
+    sig = {"q_desc": desc(64), "k_desc": desc(block_n), "v_desc": desc(block_n), "Out": "*bf16", "LSE": "*fp32",
+           "CU_SEQLENS": "*i32"}
     for name in ("q_rb", "q_rh", "q_ch", "k_rb", "k_rh", "k_ch", "v_rb", "v_rh", "v_ch", "stride_ob", "stride_os",
                  "stride_oh", "stride_lb", "stride_lh", "seq_q", "seq_k", "num_heads", "group"):
         sig[name] = "i32"
@@ -55,7 +54,7 @@ for head_dim, causal, plan, varlen, persistent in json.loads(sys.argv[1]):
     consts = dict(HEAD_D=head_dim, BLOCK_N=block_n, STAGES=plan.stages, IS_CAUSAL=causal, NCONS=plan.consumers,
                   PP=plan.pingpong, CONSUMER_REGS=plan.consumer_regs, IS_VARLEN=varlen)
     if persistent:
-        del consts["PP"], consts["IS_VARLEN"]
+        del consts["PP"]
     sig.update({name: "constexpr" for name in consts})
     kernel = wp._ws_fwd_persistent_kernel if persistent else ws._ws_fwd_kernel
     compiled = triton.compile(GluonASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
@@ -80,7 +79,8 @@ def test_compiles_for_sm90_into_warpgroups_without_spills(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     cases = [(128, False, ws._HD128, False, True), (64, False, ws._HD64, False, False),
-             (64, True, ws._HD64_CAUSAL, False, False), (128, True, ws._HD128, True, False)]  # persistent, packed
+             (64, True, ws._HD64_CAUSAL, False, False), (128, True, ws._HD128, True, False),
+             (128, True, ws._HD128, True, True)]  # dense persistent first; packed, packed persistent last
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases), str(tmp_path)], capture_output=True,
                          text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -268,6 +268,8 @@ def _assert_matches_reference(q, k, v, do, out, lse, **kwargs) -> None:  # type:
     (128, 4, 4, True, [1024, 1024, 1100], "auto", False, True),  # documents average over 1024 tokens
     (128, 8, 2, False, [1, 17, 300, 5, 129], "auto", False, True),  # no mask: any pack
     (128, 2, 2, True, [300, 200], "auto", False, False),  # short causal documents: the Triton forward
+    (128, 4, 2, True, [1024, 1024, 1024], "auto", False, True),  # equal documents: the persistent kernel
+    (128, 4, 4, False, [300, 300], "auto", True, True),  # equal documents, fused rows: persistent
     (128, 4, 2, True, [2000, 1, 1, 64, 129, 3], "ws", True, True),  # blocks past short documents return early
     (64, 6, 3, True, [64, 65, 1000, 3], "ws", False, True),
     (64, 4, 1, False, [17, 511], "ws", True, True),  # ping-pong
@@ -310,3 +312,23 @@ def test_persistent_is_bit_identical_to_one_program_per_tile(batch, seq, heads, 
     got = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128)
     want = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128._replace(persistent=False))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized forward runs on sm_90 only")
+@pytest.mark.parametrize("lens,causal", [([1000] * 3, True), ([256] * 5, False)])
+def test_packed_persistent_is_bit_identical_to_one_program_per_tile(lens, causal) -> None:
+    """Equal documents take the persistent kernel (which reads each document's bounds from ``cu_seqlens``); its
+    outputs and log-sum-exps equal the one-program-per-tile kernel's bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(len(lens))
+    total = sum(lens)
+    q = torch.randn(total, 8, 128, generator=g, device="cuda").bfloat16()
+    k, v = (torch.randn(total, 2, 128, generator=g, device="cuda").bfloat16() for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    geo = geometry(q, k, cu, max(lens))
+    assert wp.ws_fwd_persistent(q, k, v, geo, causal, 0.1, ws._HD128) is not None
+    got = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128)
+    want = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128._replace(persistent=False))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    ragged = geometry(q, k, torch.tensor([0, 1, total], device="cuda", dtype=torch.int32), total - 1)
+    assert wp.ws_fwd_persistent(q, k, v, ragged, causal, 0.1, ws._HD128) is None
