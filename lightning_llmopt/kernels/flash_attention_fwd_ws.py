@@ -399,6 +399,23 @@ def _descriptor(t: Tensor, block_rows: int) -> tuple[TensorDescriptor, tuple[int
     return desc, (per_b, per_h, col_h)
 
 
+def kernel_operands(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, block_n: int) -> tuple[Tensor, Tensor, tuple]:
+    """``(out, lse, operands)``: fresh outputs and the arguments both forward kernels begin with (descriptors,
+    outputs, ``cu_seqlens``, row maps, output strides, lengths, heads, GQA group)."""
+    packed = geo.cu_seqlens is not None
+    out = torch.empty_like(q)
+    lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
+    q_desc, q_map = _descriptor(q, 64)
+    k_desc, k_map = _descriptor(k, block_n)
+    v_desc, v_map = _descriptor(v, block_n)
+    # strides of out (batch, sequence, head) and lse (batch, head); packed: no batch stride, tok0 offsets instead
+    sb, ss, sh = (0, *out.stride()[:2]) if packed else out.stride()[:3]
+    lb, lh = (0, lse.stride(0)) if packed else lse.stride()[:2]
+    operands = (q_desc, k_desc, v_desc, out, lse, geo.cu_seqlens if packed else lse, *q_map, *k_map, *v_map, sb, ss,
+                sh, lb, lh, geo.seq_q, geo.seq_k, geo.num_heads, geo.group)
+    return out, lse, operands
+
+
 def ws_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: float,
            plan: WsPlan) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` as :func:`~lightning_llmopt.kernels.flash_attention_fwd.flash_fwd` returns them, launched by
@@ -410,17 +427,9 @@ def ws_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: 
         taken = ws_fwd_persistent(q, k, v, geo, causal, scale, plan)
         if taken is not None:
             return taken
-    out = torch.empty_like(q)
-    lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
-    q_desc, q_map = _descriptor(q, 64)
-    k_desc, k_map = _descriptor(k, plan.block_n)
-    v_desc, v_map = _descriptor(v, plan.block_n)
-    # strides of out (batch, sequence, head) and lse (batch, head); packed: no batch stride, tok0 offsets instead
-    sb, ss, sh = (0, *out.stride()[:2]) if packed else out.stride()[:3]
-    lb, lh = (0, lse.stride(0)) if packed else lse.stride()[:2]
+    out, lse, operands = kernel_operands(q, k, v, geo, plan.block_n)
     grid = (triton.cdiv(geo.seq_q, 64 * plan.consumers), geo.batch * geo.num_heads)
-    args = (q_desc, k_desc, v_desc, out, lse, geo.cu_seqlens if packed else lse, *q_map, *k_map, *v_map, sb, ss, sh,
-            lb, lh, geo.seq_q, geo.seq_k, geo.num_heads, geo.group, scale * _LOG2E)
+    args = (*operands, scale * _LOG2E)
     consts = dict(HEAD_D=geo.head_dim, BLOCK_N=plan.block_n, STAGES=plan.stages, IS_CAUSAL=causal,
                   NCONS=plan.consumers, PP=plan.pingpong, CONSUMER_REGS=plan.consumer_regs, IS_VARLEN=packed)
     LAUNCHES.launch(_ws_fwd_kernel, ("ws", plan, geo.head_dim, causal, packed), grid, args, consts,

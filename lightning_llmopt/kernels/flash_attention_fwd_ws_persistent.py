@@ -37,10 +37,10 @@ from lightning_llmopt.kernels.flash_attention_fwd_ws import (
     _LOG2E,
     LAUNCHES,
     WsPlan,
-    _descriptor,
     _plain_loop,
     _tma_load,
     fresh_rows,
+    kernel_operands,
     mma_layout,
     row_bounds,
     write_rows,
@@ -197,20 +197,12 @@ def ws_fwd_persistent(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bo
     packed = geo.cu_seqlens is not None
     if packed and geo.batch * geo.seq_q != geo.total:
         return None
-    out = torch.empty_like(q)
-    lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
-    q_desc, q_map = _descriptor(q, 64)
-    k_desc, k_map = _descriptor(k, plan.block_n)
-    v_desc, v_map = _descriptor(v, plan.block_n)
-    # strides of out (sequence, token, head) and lse (sequence, head); packed: rows offset by each document's start
-    sb, ss, sh = (0, *out.stride()[:2]) if packed else out.stride()[:3]
-    lb, lh = (0, lse.stride(0)) if packed else lse.stride()[:2]
+    out, lse, operands = kernel_operands(q, k, v, geo, plan.block_n)
     n_mblk = triton.cdiv(geo.seq_q, 64 * plan.consumers)
     pairs = geo.batch * geo.num_heads
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     programs, chunk = persistent_grid(n_mblk, pairs, _sm_count(index))
-    args = (q_desc, k_desc, v_desc, out, lse, geo.cu_seqlens if packed else lse, *q_map, *k_map, *v_map, sb, ss, sh,
-            lb, lh, geo.seq_q, geo.seq_k, geo.num_heads, geo.group, n_mblk, pairs, chunk, scale * _LOG2E)
+    args = (*operands, n_mblk, pairs, chunk, scale * _LOG2E)
     consts = dict(HEAD_D=geo.head_dim, BLOCK_N=plan.block_n, STAGES=plan.stages, IS_CAUSAL=causal,
                   NCONS=plan.consumers, CONSUMER_REGS=plan.consumer_regs, IS_VARLEN=packed)
     LAUNCHES.launch(_ws_fwd_persistent_kernel, ("persistent", plan, geo.head_dim, causal, packed), (programs,), args,
