@@ -16,11 +16,11 @@ above the ones Triton gives the partitions), and runs its softmax while the next
 Register budgets move from the loader (24 a thread) to the consumers with ``setmaxnreg``.
 
 Which schedule, if any, takes a call (:func:`ws_plan`) comes from sweeps on an H100 and an H200 (B*S = 16k,
-H*D = 2048, S 1k..16k, 2026-11-27; docs/flash_attention.md). Head dim 128: two consumers, plain, 1.1-1.4x the
-Triton forward from S = 2048 (and without a mask at 1024); at S = 1024 under the causal mask its GPU time is only
-about 7% lower while its launch costs more host time (three TMA descriptors, Gluon's launcher), so the Triton
-forward keeps that call. Head dim 64: three consumers, ping-pong without a mask (1.05-1.25x from S = 2048, a tie
-at 1024) and plain with the causal one (ahead only from S = 8192).
+H*D = 2048, S 1k..16k, 2026-11-27; docs/flash_attention.md). Head dim 128: two consumers, plain, at every length
+(see the persistent form below; this one-program-per-tile kernel alone was 1.1-1.4x the Triton forward from
+S = 2048 but only ~1.03x at S = 1024 causal, where its launch also cost more host time). Head dim 64: three
+consumers, ping-pong without a mask (1.05-1.25x from S = 2048, a tie at 1024) and plain with the causal one (ahead
+only from S = 8192).
 Packed input (16k-token packs, H100, 2026-11-27, benchmarks/results/sweeps/attention-ws-varlen-*): head dim 128
 takes this kernel without a mask (1.02-1.20x the Triton forward) and under the causal one where documents average
 1024 tokens or more (1.06-1.21x; 0.96-0.98x at 256 and 512); head dim 64 stays with the Triton forward (this kernel
