@@ -1,5 +1,5 @@
-"""The persistent form of the warp-specialized Hopper forward (:mod:`flash_attention_fwd_ws`), for dense input with
-the plain schedule (head dim 128).
+"""The persistent form of the warp-specialized Hopper forward (:mod:`flash_attention_fwd_ws`), with the plain
+schedule (head dim 128), for dense input and packs of equal documents.
 
 One program per SM (at most) loops over (query block, sequence-head) tiles, striding by the grid. Per tile the
 arithmetic is the non-persistent kernel's, in the same order, so outputs are bit-identical to it; what changes is
@@ -15,10 +15,11 @@ Tile order. The grid is ``CH * n_mblk`` programs, ``CH = SMs // n_mblk`` (sequen
 blocks of each, and the tiles go in chunks of ``CH`` pairs, one chunk after another. Inside a chunk the query blocks
 run heaviest first (every pair's block ``m`` before any block ``m - 1``: under the causal mask block ``m`` has
 ``m + 1`` key tiles) and every other chunk runs in reverse, so a program striding by the grid takes one heavy tile
-and then one light one, and every program gets the same work (exactly, when the pairs divide into chunks). Keeping a
-chunk's pairs together keeps their keys in L2: a first version ordered every pair's block ``m`` before any pair's
-block ``m - 1`` across the whole grid, and ran at 0.68-0.94x the non-persistent kernel (H100, 2026-11-27); in
-chunks it ran 1.00-1.15x at head dim 128, S = 1k..16k (record ``benchmarks/results/sweeps/attention-ws-persistent-*``).
+and then one light one; when the pairs divide into chunks, the programs' work differs by at most the heaviest
+tile's. Keeping a chunk's pairs together keeps their keys in L2: a first version ordered every pair's block
+``m`` before any pair's block ``m - 1`` across the whole grid, and ran at 0.68-0.94x the non-persistent kernel
+(H100, 2026-11-27); in chunks it ran 1.00-1.15x at head dim 128, S = 1k..16k (record
+``benchmarks/results/sweeps/attention-ws-persistent-*``).
 """
 
 from __future__ import annotations
