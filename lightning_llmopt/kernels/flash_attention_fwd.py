@@ -23,8 +23,6 @@ warp-specialized Gluon forward instead where it measured faster
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +41,7 @@ from lightning_llmopt.kernels.flash_attention_common import (
     use_interpreter_config,
 )
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
+from lightning_llmopt.kernels.flash_attention_ws_plan import ws_plan
 
 ensure_interpreted_stdlib()  # before the kernels below are decorated
 
@@ -202,14 +201,14 @@ def _ws_forward(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, sc
                 window: int | None) -> tuple[Tensor, Tensor] | None:
     """``(out, lse)`` from the warp-specialized forward where it takes the call, else ``None`` (also where this
     Triton has no Gluon)."""
-    if os.environ.get("LLMOPT_FLASH_FWD") == "triton":  # not even the import
+    plan = ws_plan(q, k, v, geo, causal, window)  # host-side rule: no Gluon import unless the kernel takes the call
+    if plan is None:
         return None
     try:
         from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
     except ImportError:  # a Triton without Gluon's Hopper API
         return None
-    plan = ws.ws_plan(q, k, v, geo, causal, window)
-    return None if plan is None else ws.ws_fwd(q, k, v, geo, causal, scale, plan)
+    return ws.ws_fwd(q, k, v, geo, causal, scale, plan)
 
 
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: float,

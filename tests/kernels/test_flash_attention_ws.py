@@ -23,6 +23,7 @@ import triton
 
 from lightning_llmopt.kernels import flash_attention_fwd_ws as ws
 from lightning_llmopt.kernels import flash_attention_fwd_ws_persistent as wp
+from lightning_llmopt.kernels import flash_attention_ws_plan as rules
 from lightning_llmopt.kernels.flash_attention_common import geometry
 from lightning_llmopt.kernels.flash_attention_ref import flash_attention_ref
 
@@ -78,9 +79,9 @@ def test_compiles_for_sm90_into_warpgroups_without_spills(tmp_path) -> None:
         pytest.skip("no cuobjdump in this Triton wheel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cases = [(128, False, ws._HD128, False, True), (64, False, ws._HD64, False, False),
-             (64, True, ws._HD64_CAUSAL, False, False), (128, True, ws._HD128, True, False),
-             (128, True, ws._HD128, True, True)]  # dense persistent first; packed, packed persistent last
+    cases = [(128, False, rules._HD128, False, True), (64, False, rules._HD64, False, False),
+             (64, True, rules._HD64_CAUSAL, False, False), (128, True, rules._HD128, True, False),
+             (128, True, rules._HD128, True, True)]  # dense persistent first; packed, packed persistent last
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases), str(tmp_path)], capture_output=True,
                          text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -103,7 +104,7 @@ def _address_of(t: torch.Tensor, b: int, s: int, h: int) -> int:
 def test_tma_rows_address_the_tensors_elements(layout: str) -> None:
     B, S, H, D = 3, 37, 5, 64
     t = torch.zeros(B, S, H, D) if layout == "bshd" else torch.zeros(B, H, S, D).transpose(1, 2)
-    rows, row_stride, per_b, per_h, col_h = ws.tma_rows(t)  # type: ignore[misc]
+    rows, row_stride, per_b, per_h, col_h = rules.tma_rows(t)  # type: ignore[misc]
     assert rows * row_stride == t.numel()
     for b, s, h in [(0, 0, 0), (2, 36, 4), (1, 17, 3), (2, 0, 1)]:
         assert (b * per_b + h * per_h + s) * row_stride + h * col_h == _address_of(t, b, s, h)
@@ -111,14 +112,14 @@ def test_tma_rows_address_the_tensors_elements(layout: str) -> None:
 
 def test_tma_rows_refuse_other_strides() -> None:
     t = torch.zeros(2, 16, 4, 64)
-    assert ws.tma_rows(t[:, :, :2]) is None  # heads sliced: rows are not whole
-    assert ws.tma_rows(t.transpose(0, 1)) is None
-    assert ws.tma_rows(torch.zeros(2, 16, 4, 130)[..., :128]) is None  # padded rows: not a (B, S, H, D) stride
+    assert rules.tma_rows(t[:, :, :2]) is None  # heads sliced: rows are not whole
+    assert rules.tma_rows(t.transpose(0, 1)) is None
+    assert rules.tma_rows(torch.zeros(2, 16, 4, 130)[..., :128]) is None  # padded rows: not a (B, S, H, D) stride
     packed = torch.zeros(50, 4, 64)
-    assert ws.tma_rows(packed.transpose(0, 1).contiguous().transpose(0, 1)) is None  # (H, total, D) storage
-    assert ws.tma_rows(torch.zeros(50, 4, 72)[..., :64]) is None  # heads not side by side
-    assert ws.tma_rows(torch.zeros(50 * 4 * 64 + 1)[1:].view(50, 4, 64)) is None  # not 16-byte aligned
-    assert ws.tma_rows(torch.zeros(50, 4 * 64 + 2)[:, : 4 * 64].view(50, 4, 64)) is None  # token stride: 8 bytes off
+    assert rules.tma_rows(packed.transpose(0, 1).contiguous().transpose(0, 1)) is None  # (H, total, D) storage
+    assert rules.tma_rows(torch.zeros(50, 4, 72)[..., :64]) is None  # heads not side by side
+    assert rules.tma_rows(torch.zeros(50 * 4 * 64 + 1)[1:].view(50, 4, 64)) is None  # not 16-byte aligned
+    assert rules.tma_rows(torch.zeros(50, 4 * 64 + 2)[:, : 4 * 64].view(50, 4, 64)) is None  # token stride: 8 bytes off
 
 
 def test_tma_rows_of_packed_tensors_and_fused_qkv_slices() -> None:
@@ -127,7 +128,7 @@ def test_tma_rows_of_packed_tensors_and_fused_qkv_slices() -> None:
     total, H, Hkv, D = 37, 4, 2, 64
     fused = torch.zeros(total, H + 2 * Hkv, D)
     for t in (torch.zeros(total, H, D), fused[:, :H], fused[:, H : H + Hkv], fused[:, H + Hkv :]):
-        rows, row_stride, per_b, per_h, col_h = ws.tma_rows(t)  # type: ignore[misc]
+        rows, row_stride, per_b, per_h, col_h = rules.tma_rows(t)  # type: ignore[misc]
         assert (rows, per_b, per_h, col_h) == (total, 0, 0, D) and row_stride == t.stride(0)
         for tok, h in [(0, 0), (36, t.shape[1] - 1), (17, 1)]:
             assert tok * row_stride + h * col_h == (t[tok, h].data_ptr() - t.data_ptr()) // t.element_size()
@@ -138,10 +139,10 @@ def test_not_taken_off_the_gpu_and_bad_modes_refused(monkeypatch: pytest.MonkeyP
     geo = geometry(q, q, None, None)
     for mode in ("auto", "ws"):
         monkeypatch.setenv("LLMOPT_FLASH_FWD", mode)
-        assert ws.ws_plan(q, q, q, geo, False, None) is None  # a CPU tensor
+        assert rules.ws_plan(q, q, q, geo, False, None) is None  # a CPU tensor
     monkeypatch.setenv("LLMOPT_FLASH_FWD", "fast")
     with pytest.raises(ValueError, match="LLMOPT_FLASH_FWD"):
-        ws.ws_plan(q, q, q, geo, False, None)
+        rules.ws_plan(q, q, q, geo, False, None)
 
 
 def test_plan_follows_the_measured_rule() -> None:
@@ -149,8 +150,8 @@ def test_plan_follows_the_measured_rule() -> None:
     without a mask from 2k keys, plain with it from 8k; any length when forced (the Triton forward was as fast or
     faster below). Packed: head dim 128 without a mask, and with it from a mean document length of 1024; head dim
     64 only when forced."""
-    hd128, hd64 = ws.WsPlan(2, False, 128, 2, 168, 240, persistent=True), ws.WsPlan(3, True, 128, 3, 128, 160)
-    hd64_causal = ws.WsPlan(3, False, 128, 3, 128, 160)
+    hd128, hd64 = rules.WsPlan(2, False, 128, 2, 168, 240, persistent=True), rules.WsPlan(3, True, 128, 3, 128, 160)
+    hd64_causal = rules.WsPlan(3, False, 128, 3, 128, 160)
     expect = {  # (head_dim, causal) -> plans at 1, 1024, 2048, 4096, 8192, 16384 keys
         (128, False): [hd128] * 6,
         (128, True): [hd128] * 6,
@@ -159,17 +160,17 @@ def test_plan_follows_the_measured_rule() -> None:
     }
     for (head_dim, causal), plans in expect.items():
         for seq_k, plan in zip((1, 1024, 2048, 4096, 8192, 16384), plans, strict=True):
-            assert ws.choose_plan(head_dim, causal, seq_k) == plan, (head_dim, causal, seq_k)
-            assert ws.choose_plan(head_dim, causal, seq_k, "ws") == plans[-1]
+            assert rules.choose_plan(head_dim, causal, seq_k) == plan, (head_dim, causal, seq_k)
+            assert rules.choose_plan(head_dim, causal, seq_k, "ws") == plans[-1]
     for length in (1, 512, 1023):  # packed, by the mean document length
-        assert ws.choose_plan(128, False, length, packed=True) == hd128
-        assert ws.choose_plan(128, True, length, packed=True) is None
-        assert ws.choose_plan(128, True, length, "ws", packed=True) == hd128
-    assert ws.choose_plan(128, True, 1024, packed=True) == hd128
+        assert rules.choose_plan(128, False, length, packed=True) == hd128
+        assert rules.choose_plan(128, True, length, packed=True) is None
+        assert rules.choose_plan(128, True, length, "ws", packed=True) == hd128
+    assert rules.choose_plan(128, True, 1024, packed=True) == hd128
     for causal in (False, True):  # head dim 64 packed: only when forced
-        assert ws.choose_plan(64, causal, 16384, packed=True) is None
-        assert ws.choose_plan(64, causal, 1, "ws", packed=True) == (hd64_causal if causal else hd64)
-    for plan in (ws._HD128, ws._HD64, ws._HD64_CAUSAL):  # every warp's registers fit the 64k register file
+        assert rules.choose_plan(64, causal, 16384, packed=True) is None
+        assert rules.choose_plan(64, causal, 1, "ws", packed=True) == (hd64_causal if causal else hd64)
+    for plan in (rules._HD128, rules._HD64, rules._HD64_CAUSAL):  # every warp's registers fit the 64k register file
         warpgroups = plan.consumers + 1
         assert warpgroups * 128 * plan.maxnreg <= 65536
         assert plan.consumers * 128 * plan.consumer_regs + 128 * 24 <= 65536
@@ -308,9 +309,9 @@ def test_persistent_is_bit_identical_to_one_program_per_tile(batch, seq, heads, 
     q = torch.randn(batch, seq, heads, 128, generator=g, device="cuda").bfloat16()
     k, v = (torch.randn(batch, seq, kv_heads, 128, generator=g, device="cuda").bfloat16() for _ in range(2))
     geo = geometry(q, k, None, None)
-    assert ws._HD128.persistent
-    got = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128)
-    want = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128._replace(persistent=False))
+    assert rules._HD128.persistent
+    got = ws.ws_fwd(q, k, v, geo, causal, 0.1, rules._HD128)
+    want = ws.ws_fwd(q, k, v, geo, causal, 0.1, rules._HD128._replace(persistent=False))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
@@ -326,9 +327,9 @@ def test_packed_persistent_is_bit_identical_to_one_program_per_tile(lens, causal
     k, v = (torch.randn(total, 2, 128, generator=g, device="cuda").bfloat16() for _ in range(2))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     geo = geometry(q, k, cu, max(lens))
-    assert wp.ws_fwd_persistent(q, k, v, geo, causal, 0.1, ws._HD128) is not None
-    got = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128)
-    want = ws.ws_fwd(q, k, v, geo, causal, 0.1, ws._HD128._replace(persistent=False))
+    assert wp.ws_fwd_persistent(q, k, v, geo, causal, 0.1, rules._HD128) is not None
+    got = ws.ws_fwd(q, k, v, geo, causal, 0.1, rules._HD128)
+    want = ws.ws_fwd(q, k, v, geo, causal, 0.1, rules._HD128._replace(persistent=False))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     ragged = geometry(q, k, torch.tensor([0, 1, total], device="cuda", dtype=torch.int32), total - 1)
-    assert wp.ws_fwd_persistent(q, k, v, ragged, causal, 0.1, ws._HD128) is None
+    assert wp.ws_fwd_persistent(q, k, v, ragged, causal, 0.1, rules._HD128) is None
