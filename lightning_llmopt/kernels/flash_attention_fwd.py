@@ -224,7 +224,7 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scal
         if taken is not None:
             return taken
     out = torch.empty_like(q)
-    lse = torch.empty(geo.lse_shape, device=q.device, dtype=torch.float32)
+    lse = q.new_empty(geo.lse_shape, dtype=torch.float32)  # torch.empty(device=...) took 6 us of host time (H100)
     args = (
         q, k, v, out, lse, geo.cu_seqlens if geo.cu_seqlens is not None else q,
         *geo.strides(q), *geo.strides(k), *geo.strides(v), *geo.strides(out), *geo.lse_strides(lse),
