@@ -45,14 +45,14 @@ def bench(fn) -> float:  # type: ignore[no-untyped-def]
     return float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
-def bench_graph(fn) -> float | None:  # type: ignore[no-untyped-def]
-    """Median time of one CUDA-graph replay of ``fn()`` without autograd: the GPU time of a call, without the host
-    time an eager call spends before its launches (which is what a forward of ~0.2 ms measures on a slow host);
-    ``None`` where the call cannot be captured."""
+def bench_graph(fn, grad: bool = False) -> float | None:  # type: ignore[no-untyped-def]
+    """Median time of one CUDA-graph replay of ``fn()`` (autograd off unless ``grad``): the GPU time of a call,
+    without the host time an eager call spends before its launches (which is what a forward of ~0.2 ms measures on
+    a slow host); ``None`` where the call cannot be captured."""
     from triton.testing import do_bench
 
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # compile, autotune and allocate outside the capture
@@ -253,6 +253,7 @@ def _varlen_pack(layout: str) -> dict:
             fwd_ms = bench(lambda: fn(a, b, c))
             all_ms = bench(_fwd_bwd(fn, a, b, c, ts[3]))
             fwd_host = host_us(lambda: fn(a, b, c))
+            fwd_bwd_host = host_us(_fwd_bwd(fn, a, b, c, ts[3]), calls=20)
         except Exception as e:
             notes.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -261,6 +262,7 @@ def _varlen_pack(layout: str) -> dict:
                 "variant": name,
                 "fwd_ms": fwd_ms,
                 "fwd_host_us": fwd_host,
+                "fwd_bwd_host_us": fwd_bwd_host,
                 "fwd_bwd_ms": all_ms,
                 "effective_fwd_tflops": flops / fwd_ms / 1e9,
                 "effective_fwd_bwd_tflops": 3.5 * flops / all_ms / 1e9,
@@ -270,11 +272,14 @@ def _varlen_pack(layout: str) -> dict:
     for row in rows:  # after every eager timing: a failed capture cannot disturb them
         fn, ts = cases[row["variant"]]
         row["fwd_graph_ms"] = bench_graph(lambda fn=fn, ts=ts: fn(*ts[:3]))
-        print(json.dumps({"variant": row["variant"], "fwd_graph_ms": row["fwd_graph_ms"]}), flush=True)
+        a, b, c = (t.detach().requires_grad_() for t in ts[:3])
+        row["fwd_bwd_graph_ms"] = bench_graph(_fwd_bwd(fn, a, b, c, ts[3]), grad=True)
+        print(json.dumps({k: row[k] for k in ("variant", "fwd_graph_ms", "fwd_bwd_graph_ms")}), flush=True)
     notes.append(
-        "fwd_graph_ms: one CUDA-graph replay of the forward without autograd (GPU time; the eager fwd_ms also holds "
-        "the host time of a call where the host is slower than the GPU); fwd_host_us: host time of one eager forward "
-        "(inputs requiring grad), 50 calls issued without a sync"
+        "fwd_graph_ms / fwd_bwd_graph_ms: one CUDA-graph replay of the forward without autograd / of forward + "
+        "autograd.grad (GPU time; the eager fwd_ms and fwd_bwd_ms also hold the host time of a call where the host "
+        "is slower than the GPU); fwd_host_us / fwd_bwd_host_us: host time of one eager forward (inputs requiring "
+        "grad) / forward + backward, 50 / 20 calls issued without a sync"
     )
     return {
         "name": "attention-varlen16" + ("-equal" if layout == "equal" else ""),
@@ -486,8 +491,8 @@ def write(result: dict, out_dir: str | None) -> None:
 
 def render(directory: str | None = None) -> str:
     """Markdown tables (docs/flash_attention.md) from the attention-*.json records: the dense families and the
-    GPU correctness check per GPU (each GPU's newest record), the packed and window families' newest record, and
-    the parity record of every GPU."""
+    GPU correctness check and the packed family per GPU (each GPU's newest record), the window family's newest
+    record, and the parity record of every GPU."""
     every = [r for r in records.load_records(directory) if r.get("benchmark") == "attention"]
     recs: dict[str, dict] = {}
     per_gpu: dict[tuple[str, str], dict] = {}
@@ -531,7 +536,8 @@ def render(directory: str | None = None) -> str:
                 )
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    for var in (recs.get("attention-varlen16-equal"), recs.get("attention-varlen16")):
+    packs = [per_gpu.get((name, gpu)) for name in ("attention-varlen16-equal", "attention-varlen16") for gpu in gpus]
+    for var in packs:
         if var is None:
             continue
         rows = var["results"] + var["peers"]
@@ -543,18 +549,22 @@ def render(directory: str | None = None) -> str:
             f"### 16 documents {what} packed into 16k tokens (hd128, H = 16, {var['env']['device']}); "
             f"FLOP ratio dense/packed = {ideal:.1f}",
             "",
-            "| variant | fwd ms | fwd GPU ms (graph) | fwd+bwd ms | effective fwd TF/s | ours-varlen speedup fwd / "
-            "fwd GPU / fwd+bwd |",
+            "| variant | fwd ms: eager / GPU (graph) | fwd+bwd ms: eager / GPU (graph) | effective fwd TF/s (eager) | "
+            "ours-varlen speedup fwd: eager / GPU | fwd+bwd: eager / GPU |",
             "|---|---|---|---|---|---|",
         ]
+
+        def pair(r: dict, base: dict, eager: str, graph: str) -> tuple[str, str]:
+            g, bg = r.get(graph), base.get(graph)
+            times = f"{r[eager]:.3f} / " + ("-" if g is None else f"{g:.3f}")
+            ratio = f"{r[eager] / base[eager]:.2f}x / " + ("-" if g is None or bg is None else f"{g / bg:.2f}x")
+            return times, ratio
+
         for r in rows:
-            graph, base_graph = r.get("fwd_graph_ms"), base.get("fwd_graph_ms")
-            gpu = "-" if graph is None else f"{graph:.3f}"
-            gpu_ratio = "-" if graph is None or base_graph is None else f"{graph / base_graph:.2f}x"
+            fwd, fwd_ratio = pair(r, base, "fwd_ms", "fwd_graph_ms")
+            both, both_ratio = pair(r, base, "fwd_bwd_ms", "fwd_bwd_graph_ms")
             lines.append(
-                f"| {r['variant']} | {r['fwd_ms']:.3f} | {gpu} | {r['fwd_bwd_ms']:.3f} | "
-                f"{r['effective_fwd_tflops']:.0f} | {r['fwd_ms'] / base['fwd_ms']:.2f}x / {gpu_ratio} / "
-                f"{r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x |"
+                f"| {r['variant']} | {fwd} | {both} | {r['effective_fwd_tflops']:.0f} | {fwd_ratio} | {both_ratio} |"
             )
         lines.append("")
     for par in sorted((r for r in every if r["name"] == "attention-parity"), key=lambda r: r["env"]["device"]):
