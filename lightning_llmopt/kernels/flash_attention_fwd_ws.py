@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lightning_llmopt.kernels.flash_attention_common import Geometry
-from lightning_llmopt.kernels.flash_attention_ws_plan import WsPlan, choose_plan, tma_rows, ws_plan
+from lightning_llmopt.kernels.flash_attention_ws_plan import WsPlan, tma_rows
 from lightning_llmopt.kernels.launch_cache import LaunchCache
 
 # TMA copy into shared memory: ``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` later
@@ -353,4 +353,4 @@ def ws_fwd(q: Tensor, k: Tensor, v: Tensor, geo: Geometry, causal: bool, scale: 
     return out, lse
 
 
-__all__ = ["WsPlan", "choose_plan", "tma_rows", "ws_fwd", "ws_plan"]
+__all__ = ["kernel_operands", "ws_fwd"]
