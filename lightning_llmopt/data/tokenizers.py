@@ -1,20 +1,23 @@
-"""Tokenizers: a dependency-free byte tokenizer and a wrapper around a local Hugging Face ``tokenizer.json``.
+"""Tokenizers: a dependency-free byte tokenizer and a local Hugging Face tokenizer folder
+(:class:`~lightning_llmopt.data.hf_tokenizer.HFTokenizer`).
 
-Both expose the same small interface (:class:`Tokenizer`): ``encode``, ``decode``, ``vocab_size``, ``bos_id`` and
-``eos_id``. :func:`load_tokenizer` picks one from a string spec.
+Both expose the same small interface (:class:`Tokenizer`): ``encode``, ``decode``, ``vocab_size``, ``bos_id``,
+``eos_id``, ``stop_ids`` and ``save_pretrained`` (which writes files transformers' ``AutoTokenizer`` loads).
+:func:`load_tokenizer` picks one from a string spec.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-# Names under which tokenizers commonly store their special tokens, most common first.
-_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<|startoftext|>", "<bos>")
-_EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+from lightning_llmopt.data.hf_tokenizer import HFTokenizer
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
 
 
 @runtime_checkable
@@ -30,9 +33,14 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def save_pretrained(self, folder: str | Path) -> list[Path]: ...
 
 
 class ByteTokenizer:
@@ -62,8 +70,17 @@ class ByteTokenizer:
     def eos_id(self) -> int:
         return self.EOS_ID
 
-    def encode(self, text: str) -> list[int]:
-        """Returns the UTF-8 bytes of ``text`` as a list of ints in ``[0, 255]``."""
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.EOS_ID,)
+
+    pad_id = None
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Returns the UTF-8 bytes of ``text`` as a list of ints in ``[0, 255]``. The byte tokenizer adds no special
+        tokens even when asked (``add_special_tokens`` is accepted for the common interface): the documents it
+        trains on carry none but the ``<eos>`` between them."""
         return list(text.encode("utf-8"))
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -77,69 +94,76 @@ class ByteTokenizer:
                 raise ValueError(f"token id {int(i)} is outside the byte tokenizer's vocabulary [0, {self.vocab_size})")
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
+    def save_pretrained(self, folder: str | Path) -> list[Path]:
+        """Write this tokenizer as ``tokenizer.json`` + ``tokenizer_config.json`` that ``AutoTokenizer`` (and
+        :class:`HFTokenizer`) load with the same ids: a byte-level BPE without merges whose token for byte ``b``
+        has id ``b`` (GPT-2's byte-to-character table), ``<bos>`` = 256, ``<eos>`` = 257. Returns the files."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        chars = _byte_chars()
+        specials = [
+            {
+                "id": i,
+                "content": t,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, t in ((self.BOS_ID, "<bos>"), (self.EOS_ID, "<eos>"))
+        ]
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        spec = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": specials,
+            "normalizer": None,
+            "pre_tokenizer": byte_level,
+            "post_processor": None,
+            "decoder": byte_level,
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {chars[b]: b for b in range(256)},
+                "merges": [],
+            },
+        }
+        config = {
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "model_max_length": 1 << 30,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+        }
+        files = [out / "tokenizer.json", out / "tokenizer_config.json"]
+        files[0].write_text(json.dumps(spec, ensure_ascii=False, indent=2) + "\n")
+        files[1].write_text(json.dumps(config, indent=2) + "\n")
+        return files
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=258)"
 
 
-class HFTokenizer:
-    """Wraps a local ``tokenizer.json`` through the ``tokenizers`` library (installed by ``lightning_llmopt[hf]``).
-
-    ``encode`` adds no special tokens; ``bos_id``/``eos_id`` are looked up among common names (``<s>``/``</s>``,
-    ``<|begin_of_text|>``/``<|end_of_text|>``, ``<|endoftext|>``) and are ``None`` when the vocabulary has none.
-
-    Arguments:
-        path: a ``tokenizer.json`` file.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        try:
-            from tokenizers import Tokenizer as _RustTokenizer
-        except ImportError as err:
-            raise ImportError(
-                "HFTokenizer needs the `tokenizers` package: `pip install lightning_llmopt[hf]`"
-                " (or use the dependency-free tokenizer='byte')"
-            ) from err
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer file {str(self.path)!r} does not exist")
-        self._tokenizer: Any = _RustTokenizer.from_file(str(self.path))
-        self._bos_id = self._first_known(_BOS_NAMES)
-        self._eos_id = self._first_known(_EOS_NAMES)
-
-    def _first_known(self, names: Sequence[str]) -> int | None:
-        for name in names:
-            token_id = self._tokenizer.token_to_id(name)
-            if token_id is not None:
-                return int(token_id)
-        return None
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._bos_id
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._eos_id
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, without special tokens added."""
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """:meth:`encode` for many texts at once (parallelised inside the Rust library)."""
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-        return [list(e.ids) for e in encodings]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Decodes ids to text, keeping special tokens."""
-        return str(self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False))
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
+def _byte_chars() -> list[str]:
+    """GPT-2's printable character for each byte (the alphabet of byte-level BPE): printable Latin-1 bytes map to
+    themselves, the other 68 to ``chr(256 + k)`` in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
 
 
 def load_tokenizer(spec: str | Path | None) -> ByteTokenizer | HFTokenizer:
@@ -147,7 +171,8 @@ def load_tokenizer(spec: str | Path | None) -> ByteTokenizer | HFTokenizer:
 
     Arguments:
         spec: ``None`` or ``"byte"`` for :class:`ByteTokenizer`; a ``tokenizer.json`` file, or a directory holding one
-            (a Hugging Face model folder), for :class:`HFTokenizer`.
+            (a Hugging Face model folder, whose ``tokenizer_config.json``, ``special_tokens_map.json`` and
+            ``generation_config.json`` are read too), for :class:`HFTokenizer`.
 
     Raises:
         FileNotFoundError: the spec is neither ``"byte"`` nor an existing tokenizer file or folder.
