@@ -41,8 +41,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmopt.models.config import FUSED_KERNELS
+from lightning_llmopt.models.llama import set_kernel_step
 
-__all__ = ["FUSED_KERNELS", "optimize_model"]
+__all__ = ["FUSED_KERNELS", "apply_config_kernels", "optimize_model"]
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _COUNTS = (*FUSED_KERNELS, "attention", "packed_qkv")  # the keys of ``model.llmopt_fused``
@@ -102,6 +103,20 @@ def optimize_model(
         k: previous.get(k, 0) + counts.get(k, 0) for k in _COUNTS
     }
     return model
+
+
+def apply_config_kernels(model: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """The kernels ``model.config.fused_kernels`` names (a reference :class:`~lightning_llmopt.models.llama.Llama`),
+    swapped in by :func:`optimize_model`; a model without that field is returned unchanged. Registered as the
+    Llama's construction-time kernel step (:func:`~lightning_llmopt.models.llama.set_kernel_step`)."""
+    wanted = list(getattr(getattr(model, "config", None), "fused_kernels", None) or [])
+    if not wanted:
+        return model
+    on = [name in wanted for name in FUSED_KERNELS]
+    return optimize_model(model, rmsnorm=on[0], rope=on[1], swiglu=on[2], fused_ce=on[3], process_group=process_group)
+
+
+set_kernel_step(apply_config_kernels)
 
 
 def _replace(model: nn.Module, match: Callable[[nn.Module], bool], build: Callable[[nn.Module], nn.Module]) -> int:

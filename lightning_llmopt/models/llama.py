@@ -11,6 +11,7 @@ Parameter names: ``tok_embeddings``, ``layers.{i}.attention_norm``, ``layers.{i}
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,17 @@ from lightning_llmopt.models.attention import AttentionMask, attention
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.kv_cache import KVCache
 from lightning_llmopt.models.rope import apply_rope, rope_table
+
+KernelStep = Callable[[nn.Module], object]
+_KERNEL_STEP: KernelStep | None = None
+
+
+def set_kernel_step(step: KernelStep) -> None:
+    """Register the function that swaps ``config.fused_kernels`` into a new :class:`Llama` (called with the model at
+    the end of its construction). The fused modules live above this module (``layers/``), so they are handed in
+    rather than imported: :mod:`lightning_llmopt.optimize` registers its step when imported."""
+    global _KERNEL_STEP
+    _KERNEL_STEP = step
 
 
 class RMSNorm(nn.Module):
@@ -79,8 +91,9 @@ class Attention(nn.Module):
         q, k, v = F.linear(x, weight, bias).split([m.weight.shape[0] for m in lins], dim=-1)
         return q, k, v.contiguous()
 
-    def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask,
-                kv_cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask, kv_cache: KVCache | None = None
+    ) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self._project(x)
         # Heads from the output size, not the config, so a tensor-parallel shard with fewer local heads works.
@@ -126,8 +139,9 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
 
-    def forward(self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask,
-                kv_cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask, kv_cache: KVCache | None = None
+    ) -> Tensor:
         norm_residual = getattr(self.attention_norm, "forward_residual", None)  # a fused norm: x passed through
         if norm_residual is not None:  # so the residual stream's gradient joins the norm's in its backward kernel
             x, normed = norm_residual(x)
@@ -151,8 +165,15 @@ class Llama(nn.Module):
 
     Build on the meta device and materialise with ``model.to_empty(device=...)`` then ``model.init_weights()``;
     eager construction initialises the same way. ``config.fused_kernels`` swaps in the fused Triton modules at
-    construction (:func:`lightning_llmopt.optimize.optimize_model`).
+    construction through the kernel step registered with :func:`set_kernel_step` (the package registers
+    :func:`lightning_llmopt.optimize.apply_config_kernels` on import; this module imports nothing above it). The
+    parallel plan (:func:`lightning_llmopt.parallel.parallelize.parallelize`) runs the same step after tensor and
+    context parallelism, where the fused modules learn their shard's layout.
     """
+
+    # Methods that run the model besides ``forward`` (they share ``_trunk``, never call each other): wrappers that
+    # hook the forward (FSDP2's parameter gathering) register these too.
+    forward_methods: tuple[str, ...] = ("hidden_states", "loss")
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -165,15 +186,19 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         assert config.head_dim is not None
         self.rope: Tensor
-        self.register_buffer("rope", rope_table(config.max_seq_len, config.head_dim, config.rope_theta,
-                                                config.rope_scaling), persistent=False)
+        self.register_buffer(
+            "rope",
+            rope_table(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling),
+            persistent=False,
+        )
         # Set to a fused linear + cross-entropy module by optimize_model(fused_ce=True); used by :meth:`loss`.
         self.fused_loss: nn.Module | None = None
         if config.fused_kernels:
-            from lightning_llmopt.optimize import FUSED_KERNELS, optimize_model
-
-            on = [name in config.fused_kernels for name in FUSED_KERNELS]
-            optimize_model(self, rmsnorm=on[0], rope=on[1], swiglu=on[2], fused_ce=on[3])
+            if _KERNEL_STEP is None:
+                raise RuntimeError(
+                    f"fused_kernels ({config.fused_kernels}) needs the kernel step: import lightning_llmopt.optimize"
+                )
+            _KERNEL_STEP(self)
         if not self.rope.is_meta:
             self.init_weights()
 
@@ -213,8 +238,13 @@ class Llama(nn.Module):
         self.rope = rope_table(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device=device)
 
     # ------------------------------------------------------------------ forward
-    def hidden_states(self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None,
-                      kv_cache: KVCache | None = None) -> Tensor:
+    def hidden_states(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
         """Final-norm hidden states ``(B, T, dim)``.
 
         Arguments:
@@ -225,6 +255,13 @@ class Llama(nn.Module):
                 Positions default to restarting at each document.
             kv_cache: a :class:`~lightning_llmopt.models.kv_cache.KVCache` to store and read keys/values.
         """
+        return self._trunk(tokens, positions, doc_ids, kv_cache)
+
+    def _trunk(
+        self, tokens: Tensor, positions: Tensor | None, doc_ids: Tensor | None, kv_cache: KVCache | None
+    ) -> Tensor:
+        """The body of :meth:`hidden_states`, shared by every entry point (:attr:`forward_methods` call it rather
+        than each other, so a wrapper that hooks each entry point runs its hooks once per call)."""
         B, T = tokens.shape[:2]
         plain = positions is None and doc_ids is None and kv_cache is None
         if positions is None:
@@ -235,8 +272,14 @@ class Llama(nn.Module):
             else:
                 positions = torch.arange(T, device=tokens.device).expand(B, T)
         self._check_positions(positions, given=not plain)
-        mask = AttentionMask(positions, positions, doc_ids, doc_ids, window=self.config.sliding_window,
-                             plain_causal=plain and self.config.sliding_window is None)
+        mask = AttentionMask(
+            positions,
+            positions,
+            doc_ids,
+            doc_ids,
+            window=self.config.sliding_window,
+            plain_causal=plain and self.config.sliding_window is None,
+        )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.rope, positions, mask, kv_cache)
@@ -252,14 +295,25 @@ class Llama(nn.Module):
             if top >= limit:
                 raise ValueError(f"position {top} is beyond max_seq_len ({limit})")
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None,
-                kv_cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
         """Logits ``(B, T, vocab_size)`` in the parameters' dtype; see :meth:`hidden_states` for the arguments."""
-        h = self.hidden_states(tokens, positions, doc_ids, kv_cache)
+        h = self._trunk(tokens, positions, doc_ids, kv_cache)
         return self.output(h) if self.output is not None else h
 
-    def loss(self, tokens: Tensor, labels: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None,
-             ignore_index: int = -100) -> Tensor:
+    def loss(
+        self,
+        tokens: Tensor,
+        labels: Tensor,
+        positions: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        ignore_index: int = -100,
+    ) -> Tensor:
         """Mean cross-entropy of ``labels`` ``(B, T)`` (``ignore_index`` skipped), fp32 scalar.
 
         With :attr:`fused_loss` set (``optimize_model(fused_ce=True)`` or ``fused_kernels``), the head and the loss
@@ -268,7 +322,7 @@ class Llama(nn.Module):
         """
         if self.output is None:
             raise ValueError("loss() needs the output head (this model has output=None)")
-        h = self.hidden_states(tokens, positions, doc_ids)
+        h = self._trunk(tokens, positions, doc_ids, None)
         if self.fused_loss is not None:
             return self.fused_loss(h, self.output.weight, labels, ignore_index=ignore_index)
         logits = self.output(h)

@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_llmopt.parallel.context_parallel import CP_MODES, ContextParallelAttention, apply_cp, validate_cp
 from lightning_llmopt.parallel.data_parallel import all_reduce_gradients, broadcast_parameters
+from lightning_llmopt.parallel.fused import apply_kernels, fused_modules
 from lightning_llmopt.parallel.mesh import ParallelDims
 from lightning_llmopt.parallel.tensor_parallel import apply_tp, check_plan_paths, reduce_partial_grads, validate_tp
 from lightning_llmopt.parallel.tp_plans import FAMILIES, ModelFamily
@@ -143,16 +144,10 @@ def validate(module: nn.Module, dims: ParallelDims, config: NDConfig) -> list[nn
         validate_tp(shape, dims.tp)
         if dims.tp > 1:
             check_plan_paths(model, family)
-        fused = sorted(
-            {
-                type(m).__name__
-                for m in model.modules()
-                if type(m).__name__.startswith("Fused") and type(m).__name__ != "FusedRotary"
-            }
-        )
-        if dims.tp > 1 and (fused or getattr(model, "fused_loss", None) is not None):
+        fused = [name for name in fused_modules(model) if name != "FusedRotary"]
+        if dims.tp > 1 and fused:
             raise ValueError(
-                f"fused kernel modules ({fused or ['fused_loss']}) take plain tensors, not the DTensors "
+                f"fused kernel modules ({fused}) take plain tensors, not the DTensors "
                 f"of tensor_parallel ({dims.tp}); build the model without fused_kernels (the fused "
                 "rotary embedding is fine)"
             )
@@ -239,6 +234,7 @@ def parallelize(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDConf
                 ring_impl=config.ring_impl,
                 tensor_parallel=dims.tp,
             )
+        apply_kernels(model, mesh["tp"] if dims.tp > 1 else None, sequence_parallel=config.sequence_parallel)
         if dims.ep > 1:
             from lightning_llmopt.parallel.expert_parallel import apply_expert_parallel
 
@@ -289,7 +285,7 @@ def _fully_shard_experts(module: nn.Module, mesh: Any, dims: ParallelDims, confi
 def _fully_shard(module: nn.Module, done: Parallelized, dp_mesh: Any, config: NDConfig) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from lightning_llmopt.strategies.zero_fsdp import shard_module
+    from lightning_llmopt.strategies.zero_fsdp import register_forward_methods, shard_module
 
     kwargs: dict[str, Any] = {
         "offload_parameters": config.offload_parameters,
@@ -313,6 +309,7 @@ def _fully_shard(module: nn.Module, done: Parallelized, dp_mesh: Any, config: ND
             mp_policy=policy,
             reshard_after_forward=config.reshard_after_forward,
         )
+    register_forward_methods([module])  # Llama.loss / hidden_states enter through the root's hooks too
 
 
 @torch.no_grad()

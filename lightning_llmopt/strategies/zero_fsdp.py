@@ -68,10 +68,17 @@ def edge_modules(module: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
     return None, []
 
 
-def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = False,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 reshard_after_forward: bool = True, prefetch: bool = True,
-                 split_edges: bool = True) -> list[nn.Module]:
+def shard_module(
+    module: nn.Module,
+    mesh: Any,
+    *,
+    offload_parameters: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    prefetch: bool = True,
+    split_edges: bool = True,
+) -> list[nn.Module]:
     """Apply FSDP2 to ``module``'s units, then to its top-level children with parameters; returns the sharded units.
 
     Units, in forward order: the token embedding, every transformer block, and the final norm with the output head
@@ -89,11 +96,16 @@ def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = Fal
 
     direct = [n for n, _ in module.named_parameters(recurse=False)]
     if direct:
-        raise ValueError(f"stage 3 shards the LightningModule's children; parameters {direct} are attached directly "
-                         f"to {type(module).__name__}: move them into a submodule")
+        raise ValueError(
+            f"stage 3 shards the LightningModule's children; parameters {direct} are attached directly "
+            f"to {type(module).__name__}: move them into a submodule"
+        )
     offload: Any = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_parameters else OffloadPolicy()
-    kwargs: dict[str, Any] = {"mesh": mesh, "offload_policy": offload,
-                              "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "offload_policy": offload,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    }
     blocks = transformer_blocks(module)
     embedding, head = edge_modules(module) if split_edges else (None, [])
     chain: list[nn.Module] = []
@@ -110,6 +122,7 @@ def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = Fal
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
     for root in roots:
         fully_shard(root, reshard_after_forward=reshard_after_forward, **kwargs)
+    register_forward_methods(roots)
     skip_backward = embedding is not None and _gather_free_backward(embedding)
     if skip_backward:  # its backward reads only the token ids: no gather (FSDP1's root likewise keeps it gathered)
         embedding.set_unshard_in_backward(False)  # type: ignore[union-attr, operator]
@@ -120,6 +133,28 @@ def shard_module(module: nn.Module, mesh: Any, *, offload_parameters: bool = Fal
             if i > 1 or (i == 1 and not skip_backward):
                 unit.set_modules_to_backward_prefetch([chain[i - 1]])  # type: ignore[operator]
     return [*chain, *roots]
+
+
+def register_forward_methods(units: list[nn.Module]) -> list[str]:
+    """Make FSDP2 run its forward hooks around every method a unit declares in ``forward_methods`` (``Llama.loss``,
+    ``Llama.hidden_states``), as around ``forward``; returns the qualified names registered.
+
+    FSDP2 gathers a unit's parameters and, on the root, sets up its communication state (lazy init, streams,
+    prefetch) in hooks on ``forward`` only. A training step that enters the model through another method (the fused
+    loss goes through ``Llama.loss``) would otherwise reach the first block's or the embedding's hooks before the
+    root's: FSDP2 then fails with ``'FSDPCommContext' object has no attribute 'all_gather_copy_in_stream'``.
+    """
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    done = []
+    for unit in units:
+        if not isinstance(unit, FSDPModule):
+            continue
+        for name in getattr(unit, "forward_methods", ()):
+            if callable(getattr(unit, name, None)) and name not in vars(unit):
+                register_fsdp_forward_method(unit, name)
+                done.append(f"{type(unit).__name__}.{name}")
+    return done
 
 
 def _gather_free_backward(module: nn.Module) -> bool:
@@ -210,6 +245,7 @@ def local(t: Tensor) -> Tensor:
 
 def memory_bytes(module: nn.Module, optimizers: list[Any]) -> dict[str, int]:
     """Per-rank bytes of (local shards of) parameters, gradients and optimizer state, from tensor sizes."""
+
     def nbytes(t: Tensor) -> int:
         x = local(t)
         return x.numel() * x.element_size()
@@ -219,6 +255,9 @@ def memory_bytes(module: nn.Module, optimizers: list[Any]) -> dict[str, int]:
     for opt in optimizers:
         for s in opt.state.values():
             state += sum(nbytes(v) for v in s.values() if isinstance(v, Tensor))
-    return {"parameters": sum(nbytes(p) for p in params),
-            "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
-            "optimizer_state": state, "master_weights": 0}
+    return {
+        "parameters": sum(nbytes(p) for p in params),
+        "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_state": state,
+        "master_weights": 0,
+    }
