@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -29,7 +30,13 @@ class CausalLMModule(L.LightningModule):
     optionally ``positions`` and ``doc_ids`` ``(B, T)`` for packed rows.
 
     Arguments:
-        model: a preset name (see :data:`lightning_llmopt.models.PRESETS`), a :class:`LlamaConfig`, or its dict.
+        model: a preset name (see :data:`lightning_llmopt.models.PRESETS`), a :class:`LlamaConfig`, or its dict;
+            default ``"debug-1m"`` (unless ``pretrained`` is given; with ``pretrained``, only the resolved config
+            that checkpoints store is accepted here).
+        pretrained: a Hugging Face Llama, Mistral or Qwen2 folder (``config.json`` + safetensors, e.g. a Hub
+            download): the model is built from its config and starts from its weights (fp32 master weights; the
+            precision plugin casts as configured). Under a sharded strategy every rank reads the weights on the CPU
+            and the strategy then shards them. The folder's tokenizer is remembered in checkpoints.
         model_overrides: fields that replace the preset's (e.g. ``{"attn_backend": "eager"}``).
         learning_rate: peak learning rate.
         weight_decay: AdamW decay, applied to matrices only (not norms, biases or embeddings).
@@ -42,7 +49,8 @@ class CausalLMModule(L.LightningModule):
 
     def __init__(
         self,
-        model: str | LlamaConfig | dict[str, Any] = "debug-1m",
+        model: str | LlamaConfig | dict[str, Any] | None = None,
+        pretrained: str | None = None,
         model_overrides: dict[str, Any] | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.1,
@@ -53,8 +61,12 @@ class CausalLMModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
-        if isinstance(model, str):
-            self.config = LlamaConfig.from_preset(model, **(model_overrides or {}))
+        if pretrained is not None and isinstance(model, str):
+            raise ValueError(f"pass one of model ({model!r}) and pretrained ({pretrained!r}), not both")
+        if pretrained is not None and model is None:
+            self.config = _pretrained_config(pretrained, model_overrides)
+        elif model is None or isinstance(model, str):
+            self.config = LlamaConfig.from_preset(model or "debug-1m", **(model_overrides or {}))
         else:
             values = model.to_dict() if isinstance(model, LlamaConfig) else dict(model)
             self.config = LlamaConfig(**{**values, **(model_overrides or {})})
@@ -76,7 +88,13 @@ class CausalLMModule(L.LightningModule):
     @override
     def configure_model(self) -> None:
         """Build the decoder inside the strategy's init context (the meta device for sharded strategies)."""
-        if self.model is None:
+        if self.model is None and self.hparams.get("pretrained"):
+            from lightning_llmopt.models.hf import from_hf
+
+            # Read on the CPU whatever the strategy's init device (meta for sharded strategies): the strategy shards
+            # and moves these weights as it would a freshly initialised model.
+            self.model = from_hf(self.hparams["pretrained"], dtype=torch.float32, device="cpu", config=self.config)
+        elif self.model is None:
             self.model = Llama(self.config)
 
     @override
@@ -208,6 +226,20 @@ class CausalLMModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["llmopt_tokenizer"] = self.tokenizer_spec()
+
+    def tokenizer_spec(self) -> str | None:
+        """What ``llmopt generate`` should load as this model's tokenizer: the data module's ``tokenizer`` (``"byte"``
+        or an absolute path), else the ``pretrained`` folder when it holds a ``tokenizer.json``, else ``None``."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        hparams = getattr(datamodule, "hparams", None)
+        if hparams is not None and "tokenizer" in hparams:
+            spec = hparams["tokenizer"]
+            return "byte" if spec in (None, "byte") else str(Path(spec).expanduser().resolve())
+        pretrained = self.hparams.get("pretrained")
+        if pretrained and (Path(pretrained) / "tokenizer.json").is_file():
+            return str(Path(pretrained).expanduser().resolve())
+        return None
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -218,3 +250,15 @@ class CausalLMModule(L.LightningModule):
     def on_fit_start(self) -> None:
         assert self.model is not None
         rank_zero_info(f"model {self.config.name}: {self.model.num_params() / 1e6:.2f}M parameters")
+
+
+def _pretrained_config(folder: str, overrides: dict[str, Any] | None) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face folder, with ``overrides``; a missing folder is named."""
+    from lightning_llmopt.models.hf_config import config_from_hf
+    from lightning_llmopt.models.hf_files import read_config
+
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"pretrained ({folder!r}) is not a folder (expected a Hugging Face model folder)")
+    config, _ = config_from_hf(read_config(path), **(overrides or {}))
+    return config

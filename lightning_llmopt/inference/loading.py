@@ -5,8 +5,14 @@
   checkpoint): only the model tensors are read, straight into the parameters;
 - a Lightning ``.ckpt`` of :class:`~lightning_llmopt.module.CausalLMModule` (``state_dict`` with ``model.`` keys,
   the config under ``hyper_parameters["model"]``);
-- a Hugging Face folder (``config.json`` + safetensors) through :func:`~lightning_llmopt.models.hf.from_hf`, with
-  ``tokenizer.json`` picked up when present.
+- a Hugging Face folder (``config.json`` + safetensors) through :func:`~lightning_llmopt.models.hf.from_hf`, or,
+  when its ``config.json`` holds a ``quantization_config`` (GPTQ or compressed-tensors, as ``llmopt quantize`` and
+  ``llmopt export`` write them), through :func:`~lightning_llmopt.quantization.load_quantized`; the folder's
+  tokenizer files are picked up when present.
+
+A Lightning ``.ckpt`` remembers its tokenizer: :class:`~lightning_llmopt.CausalLMModule` stores the data module's
+tokenizer spec under ``llmopt_tokenizer`` (and Lightning stores the data module's hyper-parameters), so text prompts
+work without ``--tokenizer``.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ def model_from_state_dict(
     if config.tie_embeddings:
         assert model.output is not None and model.tok_embeddings is not None
         model.output.weight = model.tok_embeddings.weight
-    model.reset_buffers(device)
+    with torch.device(device):  # the RoPE table is computed, even under a caller's meta-device context
+        model.reset_buffers(device)
     return model
 
 
@@ -85,7 +92,9 @@ def _load_dcp(path: Path, dtype: torch.dtype | None, device: torch.device | str)
     return model_from_state_dict(config, {n: _get(state, p) for n, p in found.items()}, dtype, device)
 
 
-def _load_lightning(path: Path, dtype: torch.dtype | None, device: torch.device | str, trust_pickle: bool) -> Llama:
+def _load_lightning(
+    path: Path, dtype: torch.dtype | None, device: torch.device | str, trust_pickle: bool
+) -> tuple[Llama, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=True)
     except pickle.UnpicklingError as exc:
@@ -105,7 +114,38 @@ def _load_lightning(path: Path, dtype: torch.dtype | None, device: torch.device 
         raise ValueError(f"{path}: no model config under hyper_parameters['model'] (a CausalLMModule checkpoint?)")
     if "state_dict" not in ckpt:
         raise ValueError(f"{path}: no 'state_dict' (a sharded strategy's checkpoint? pass its folder instead)")
-    return model_from_state_dict(config, ckpt["state_dict"], dtype, device)
+    return model_from_state_dict(config, ckpt["state_dict"], dtype, device), _checkpoint_tokenizer(ckpt, path)
+
+
+def _checkpoint_tokenizer(ckpt: dict[str, Any], path: Path) -> Any:
+    """The tokenizer a Lightning checkpoint was trained with, or ``None`` when it does not say."""
+    from lightning_llmopt.data.tokenizers import load_tokenizer
+
+    spec = ckpt.get("llmopt_tokenizer", ...)
+    if spec is ...:
+        dm_hparams = ckpt.get("datamodule_hyper_parameters")
+        if not isinstance(dm_hparams, dict) or "tokenizer" not in dm_hparams:
+            return None
+        spec = dm_hparams["tokenizer"]
+    if spec is None or spec == "byte":
+        return load_tokenizer("byte")
+    for candidate in (Path(str(spec)).expanduser(), path.parent / str(spec)):
+        if candidate.exists():
+            return load_tokenizer(candidate)
+    return None  # moved or deleted since training: the caller asks for --tokenizer
+
+
+def _load_hf_folder(path: Path, dtype: torch.dtype | None, device: torch.device | str) -> Llama:
+    """A float folder through ``from_hf``; a quantized one (``quantization_config``) through ``load_quantized``."""
+    from lightning_llmopt.models.hf_files import read_config
+
+    if read_config(path).get("quantization_config"):
+        from lightning_llmopt.quantization.load import load_quantized
+
+        return load_quantized(path, device=device, dtype=dtype)
+    from lightning_llmopt.models.hf import from_hf
+
+    return from_hf(path, dtype=dtype, device=device)
 
 
 def load_model(
@@ -127,15 +167,13 @@ def load_model(
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     tokenizer = None
     if path.is_file():
-        model = _load_lightning(path, dtype, device, trust_pickle)
+        model, tokenizer = _load_lightning(path, dtype, device, trust_pickle)
     elif (path / "config.json").is_file():
-        from lightning_llmopt.models.hf import from_hf
-
-        model = from_hf(path, dtype=dtype, device=device)
+        model = _load_hf_folder(path, dtype, device)
         if (path / "tokenizer.json").is_file():
-            from lightning_llmopt.data.tokenizers import HFTokenizer
+            from lightning_llmopt.data.tokenizers import load_tokenizer
 
-            tokenizer = HFTokenizer(path / "tokenizer.json")
+            tokenizer = load_tokenizer(path)
     else:
         model = _load_dcp(path, dtype, device)
     return model.eval(), tokenizer

@@ -29,8 +29,14 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048),
     "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=4096 * 32, num_key_value_heads=8, sliding_window=4096),
-    "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, num_key_value_heads=32, sliding_window=4096,
-                  use_sliding_window=False, max_window_layers=28),
+    "qwen2": dict(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        num_key_value_heads=32,
+        sliding_window=4096,
+        use_sliding_window=False,
+        max_window_layers=28,
+    ),
 }
 _UNSCALED_ROPE = (None, "default")
 
@@ -74,8 +80,11 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, RopeScaling(type="linear", factor=float(params["factor"]))
     original = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
     return theta, RopeScaling(
-        type="llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]), original_max_position_embeddings=int(original),
+        type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(original),
     )
 
 
@@ -90,7 +99,9 @@ def _rope_to_hf(config: LlamaConfig) -> dict[str, Any]:
         params = {**legacy, "rope_theta": config.rope_theta}
     else:
         legacy = {
-            "rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_position_embeddings,
         }
@@ -157,14 +168,22 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> tuple[LlamaConfig, str]:
     n_heads = int(cfg["num_attention_heads"])
     theta, scaling = _rope_from_hf(cfg)
     values: dict[str, Any] = dict(
-        vocab_size=int(cfg["vocab_size"]), dim=int(cfg["hidden_size"]), n_layers=int(cfg["num_hidden_layers"]),
-        n_heads=n_heads, n_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
+        vocab_size=int(cfg["vocab_size"]),
+        dim=int(cfg["hidden_size"]),
+        n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
         head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_heads),
-        ffn_hidden_dim=int(cfg["intermediate_size"]), norm_eps=float(cfg["rms_norm_eps"]), rope_theta=theta,
-        rope_scaling=scaling, max_seq_len=int(cfg["max_position_embeddings"]),
+        ffn_hidden_dim=int(cfg["intermediate_size"]),
+        norm_eps=float(cfg["rms_norm_eps"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=int(cfg["max_position_embeddings"]),
         sliding_window=_sliding_window_from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
-        qkv_bias=arch == "qwen2", tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        init_std=float(cfg.get("initializer_range", 0.02)), name=str(cfg.get("_name_or_path") or arch),
+        qkv_bias=arch == "qwen2",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        init_std=float(cfg.get("initializer_range", 0.02)),
+        name=str(cfg.get("_name_or_path") or arch),
     )
     values.update(overrides)
     return LlamaConfig(**values), arch
@@ -182,8 +201,24 @@ def _check_arch(config: LlamaConfig, arch: str) -> None:
     if arch != "qwen2" and config.qkv_bias:
         raise ValueError(f"arch {arch!r} has no q/k/v biases but qkv_bias is True; export as 'qwen2'")
     if arch == "llama" and config.sliding_window is not None:
-        raise ValueError(f"arch 'llama' has no sliding window but sliding_window is {config.sliding_window}; "
-                         "export as 'mistral' or 'qwen2'")
+        raise ValueError(
+            f"arch 'llama' has no sliding window but sliding_window is {config.sliding_window}; "
+            "export as 'mistral' or 'qwen2'"
+        )
+
+
+def arch_of(config: LlamaConfig, model_type: str | None = None) -> str:
+    """The Hugging Face architecture to export ``config`` as: ``model_type`` (e.g. the source folder's) when given
+    and supported, else ``"qwen2"`` for q/k/v biases, ``"mistral"`` for a sliding window, ``"llama"`` otherwise."""
+    if model_type in ARCHITECTURES:
+        try:
+            _check_arch(config, str(model_type))
+            return str(model_type)
+        except ValueError:
+            pass  # the model changed since (e.g. a window was added): export what it is now
+    if config.qkv_bias:
+        return "qwen2"
+    return "mistral" if config.sliding_window is not None else "llama"
 
 
 def config_to_hf(config: LlamaConfig, arch: str = "llama", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -196,13 +231,25 @@ def config_to_hf(config: LlamaConfig, arch: str = "llama", dtype: torch.dtype = 
     """
     _check_arch(config, arch)
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": config.vocab_size,
-        "hidden_size": config.dim, "intermediate_size": config.ffn_hidden_dim,
-        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
-        **_rope_to_hf(config), "tie_word_embeddings": config.tie_embeddings, "initializer_range": config.init_std,
-        "attention_dropout": 0.0, "use_cache": True, "torch_dtype": _dtype_name(dtype), "dtype": _dtype_name(dtype),
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.ffn_hidden_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        **_rope_to_hf(config),
+        "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": config.init_std,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": _dtype_name(dtype),
+        "dtype": _dtype_name(dtype),
     }
     if arch == "llama":
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
@@ -211,7 +258,8 @@ def config_to_hf(config: LlamaConfig, arch: str = "llama", dtype: torch.dtype = 
     else:
         sliding = config.sliding_window is not None
         out.update(
-            use_sliding_window=sliding, sliding_window=config.sliding_window,
+            use_sliding_window=sliding,
+            sliding_window=config.sliding_window,
             max_window_layers=0 if sliding else config.n_layers,
             layer_types=["sliding_attention" if sliding else "full_attention"] * config.n_layers,
         )

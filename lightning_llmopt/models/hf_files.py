@@ -3,7 +3,8 @@
 Layout read: ``config.json`` plus one of ``model.safetensors``; ``model-0000k-of-0000N.safetensors`` shards with
 ``model.safetensors.index.json``; ``pytorch_model.bin``; or ``pytorch_model-*.bin`` shards with
 ``pytorch_model.bin.index.json``. Layout written: ``config.json`` plus ``model.safetensors``, or shards and an index
-when the weights exceed the shard size.
+when the weights exceed the shard size; :func:`write_tokenizer_files` adds the tokenizer files and
+``generation_config.json`` that make a folder drop-in for transformers, vLLM and our own engine.
 """
 
 from __future__ import annotations
@@ -22,9 +23,20 @@ SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_NAME = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
+GENERATION_CONFIG = "generation_config.json"
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -87,8 +99,10 @@ def iter_tensors(path: Path, device: torch.device | str = "cpu") -> Iterator[tup
 def _plain(name: str, tensor: Tensor, dtype: torch.dtype | None, seen: set[int]) -> Tensor:
     """A contiguous CPU tensor owning its storage (safetensors refuses shared or partial storage)."""
     if tensor.is_meta or type(tensor.data) is not Tensor:
-        raise TypeError(f"{name} is a {type(tensor.data).__name__} on {tensor.device}; gather it into a plain "
-                        "tensor (e.g. DTensor.full_tensor()) before exporting")
+        raise TypeError(
+            f"{name} is a {type(tensor.data).__name__} on {tensor.device}; gather it into a plain "
+            "tensor (e.g. DTensor.full_tensor()) before exporting"
+        )
     cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
     out = tensor.detach().to(device="cpu", dtype=cast).contiguous()
     storage = out.untyped_storage()
@@ -111,8 +125,13 @@ def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def write_checkpoint(path: Path, tensors: dict[str, Tensor], config: dict[str, Any], max_shard_size: int | str,
-                     dtype: torch.dtype | None = None) -> list[Path]:
+def write_checkpoint(
+    path: Path,
+    tensors: dict[str, Tensor],
+    config: dict[str, Any],
+    max_shard_size: int | str,
+    dtype: torch.dtype | None = None,
+) -> list[Path]:
     """Write ``config.json`` and the safetensors weights (sharded with an index above ``max_shard_size``).
 
     Returns the weight files written.
@@ -120,8 +139,9 @@ def write_checkpoint(path: Path, tensors: dict[str, Tensor], config: dict[str, A
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    sizes = {n: t.numel() * (dtype if dtype and t.is_floating_point() else t.dtype).itemsize
-             for n, t in tensors.items()}
+    sizes = {
+        n: t.numel() * (dtype if dtype and t.is_floating_point() else t.dtype).itemsize for n, t in tensors.items()
+    }
     shards = _plan_shards(sizes, parse_size(max_shard_size))
     for stale in [*path.glob("model-*-of-*.safetensors"), path / SAFETENSORS_INDEX, path / SAFETENSORS_NAME]:
         stale.unlink(missing_ok=True)  # a previous export with another shard count would confuse loaders
@@ -138,3 +158,36 @@ def write_checkpoint(path: Path, tensors: dict[str, Tensor], config: dict[str, A
         (path / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return written
+
+
+def write_tokenizer_files(path: Path, tokenizer: Any = None) -> list[Path]:
+    """Write ``tokenizer``'s files and a ``generation_config.json`` into the checkpoint folder ``path``.
+
+    Arguments:
+        tokenizer: ``None`` (nothing is written) or an object with ``save_pretrained(folder)`` and ``bos_id`` /
+            ``eos_id`` / ``stop_ids`` (:class:`~lightning_llmopt.data.HFTokenizer`,
+            :class:`~lightning_llmopt.data.ByteTokenizer`).
+
+    The generation config is the tokenizer folder's own ``generation_config.json`` when it has one (an
+    :class:`HFTokenizer` read from a Hugging Face model folder), else ``bos_token_id``, ``eos_token_id`` (every stop
+    id: a list when there are several) and ``pad_token_id`` from the tokenizer. Returns the files written.
+    """
+    if tokenizer is None:
+        return []
+    path.mkdir(parents=True, exist_ok=True)
+    written = list(tokenizer.save_pretrained(path))
+    source = getattr(tokenizer, "folder", None)
+    target = path / GENERATION_CONFIG
+    if source is not None and (Path(source) / GENERATION_CONFIG).is_file():
+        if (Path(source) / GENERATION_CONFIG).resolve() != target.resolve():
+            target.write_text((Path(source) / GENERATION_CONFIG).read_text())
+    else:
+        stops = [int(i) for i in getattr(tokenizer, "stop_ids", ()) or ()]
+        if not stops and tokenizer.eos_id is not None:
+            stops = [int(tokenizer.eos_id)]
+        config: dict[str, Any] = {"_from_model_config": False, "bos_token_id": tokenizer.bos_id}
+        config["eos_token_id"] = stops[0] if len(stops) == 1 else (stops or None)
+        if getattr(tokenizer, "pad_id", None) is not None:
+            config["pad_token_id"] = tokenizer.pad_id
+        target.write_text(json.dumps(config, indent=2) + "\n")
+    return [*written, target]

@@ -143,6 +143,7 @@ def _quantize_gptq(
     batches: list[Any],
     forward: Callable,
     report: QuantizationReport,
+    progress: Callable[[str], None],
 ) -> None:
     for block, names in sequential_groups(model, layers, config.sequential):
         stop_at = model.get_submodule(block) if block is not None else None
@@ -169,6 +170,7 @@ def _quantize_gptq(
             set_module(model, name, QuantizedLinear.from_quantized(result.weight, linear.bias, dtype))
             report.layers[name] = spec.describe()
             report.gptq_loss[name] = result.loss
+            progress(name)
 
 
 def quantize_model(
@@ -176,6 +178,7 @@ def quantize_model(
     config: QuantConfig | None = None,
     calibration: Iterable[Any] | None = None,
     forward: Callable[[nn.Module, Any], Any] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> QuantizationReport:
     """Quantize ``model``'s linear layers in place (see the module docstring).
 
@@ -185,6 +188,7 @@ def quantize_model(
         calibration: batches for GPTQ (token ids ``(B, T)``, or dicts with ``"input_ids"``); iterated once per
             transformer block.
         forward: ``forward(model, batch)``; default :func:`default_forward`.
+        progress: called with each layer's name once it is quantized (e.g. to advance a progress bar).
 
     Returns a :class:`QuantizationReport`.
     """
@@ -194,14 +198,16 @@ def quantize_model(
     layers = quantizable_linears(model, config)
     was_training = model.training
     model.eval()
+    done = progress or (lambda name: None)
     try:
         if config.method == "rtn":
             for name, linear in layers.items():
                 _replace_rtn(model, name, linear, config, report)
+                done(name)
         else:
             if calibration is None:
                 raise ValueError("method 'gptq' needs calibration batches")
-            _quantize_gptq(model, layers, config, list(calibration), forward or default_forward, report)
+            _quantize_gptq(model, layers, config, list(calibration), forward or default_forward, report, done)
     finally:
         model.train(was_training)
     report.seconds = time.perf_counter() - start

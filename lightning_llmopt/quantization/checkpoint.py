@@ -138,7 +138,8 @@ def build_llama(
         assert model.output is not None and model.tok_embeddings is not None
         if not isinstance(model.output, QuantizedLinear):
             model.output.weight = model.tok_embeddings.weight
-    model.reset_buffers(device)
+    with torch.device(device):  # the RoPE table is computed, even under a caller's meta-device context
+        model.reset_buffers(device)
     return model
 
 

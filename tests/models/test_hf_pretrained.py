@@ -1,0 +1,106 @@
+"""Fine-tuning a pretrained Hugging Face folder: ``CausalLMModule(pretrained=...)`` on a transformers tiny Llama
+and a tiny Qwen2 (random configs, ``save_pretrained``), under ZeRO-3 on 2 gloo ranks and under TP=2, against the
+same fine-tuning in one process; and ``from_hf`` inside a meta-device context (a sharded strategy's
+``configure_model``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_llmopt import CausalLMModule
+from lightning_llmopt.models import from_hf
+
+_spec = importlib.util.spec_from_file_location(
+    "_hf_pretrained_jobs", Path(__file__).with_name("_hf_pretrained_jobs.py")
+)
+assert _spec is not None and _spec.loader is not None
+J = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("_hf_pretrained_jobs", J)
+_spec.loader.exec_module(J)
+
+# fp32 parity of a sharded run with one process, as tests/strategies/test_nd_parallel.py: loss and parameters to
+# 1e-6 relative after several AdamW steps (reduction order is the only difference).
+TOL = 1e-6
+
+
+def _save_transformers(kind: str, folder: Path) -> Path:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("pretrained")
+    return {kind: str(_save_transformers(kind, root / kind)) for kind in ("llama", "qwen2")}
+
+
+def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([params[k].reshape(-1).double() for k in sorted(params)])
+
+
+def test_from_hf_under_meta_device_matches_transformers(folders: dict[str, str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    tokens = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    for folder in folders.values():
+        with torch.device("meta"):  # what a sharded strategy's init context does around configure_model
+            ours = from_hf(folder)
+        assert not any(p.is_meta for p in ours.parameters()) and not ours.rope.is_meta
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        with torch.no_grad():
+            # fp32, same weights, tiny depth: the two implementations differ by rounding only
+            torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_pretrained_module_builds_from_the_folder(folders: dict[str, str]) -> None:
+    module = CausalLMModule(pretrained=folders["qwen2"])
+    assert module.config.qkv_bias and module.config.tie_embeddings and module.config.vocab_size == 128
+    with torch.device("meta"):
+        module.configure_model()
+    assert module.model is not None
+    torch.testing.assert_close(module.model.state_dict()["norm.weight"], from_hf(folders["qwen2"]).norm.weight)
+    with pytest.raises(ValueError, match=r"pass one of model \('tiny'\) and pretrained"):
+        CausalLMModule("tiny", pretrained=folders["llama"])
+    with pytest.raises(FileNotFoundError, match="pretrained \\('nowhere'\\) is not a folder"):
+        CausalLMModule(pretrained="nowhere")
+
+
+def test_pretrained_parity_zero3_and_tp2(dist_pool: Any, folders: dict[str, str]) -> None:
+    order = [folders["llama"], folders["qwen2"]]
+    layouts = ["zero3", "tp2"]
+    results = dist_pool(2).run(J.parity_job, order, layouts)[0]
+    for i, folder in enumerate(order):
+        ref = J.fit(folder, None)
+        start = from_hf(folder)
+        # the first loss is the pretrained weights' own: a randomly initialised model would differ at step 0
+        with torch.no_grad():
+            batch = ref["first_batch"]
+            first = CausalLMModule.loss_fn(start(batch["input_ids"]), batch["labels"])
+        assert abs(ref["losses"][0] - float(first)) <= TOL * float(first)
+        for j, layout in enumerate(layouts):
+            got = results[i * len(layouts) + j]
+            losses, want = torch.tensor(got["losses"]), torch.tensor(ref["losses"])
+            assert len(losses) == J.STEPS
+            assert float(((losses - want).abs() / want).max()) <= TOL, (folder, layout, got["losses"], ref["losses"])
+            a, b = _flat(got["params"]), _flat(ref["params"])
+            assert float((a - b).norm() / b.norm()) <= TOL, (folder, layout)
