@@ -14,12 +14,9 @@ the device by the model runner, from the ``(src, dst)`` pairs returned here, bef
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from lightning_llmopt.inference.prefix_cache import RadixCache
-
-__all__ = ["NULL_BLOCK", "BlockAllocator", "BlockManager", "HasBlockTable", "OutOfBlocks"]
+__all__ = ["NULL_BLOCK", "BlockAllocator", "BlockManager", "BlockReclaimer", "HasBlockTable", "OutOfBlocks"]
 
 NULL_BLOCK = 0
 
@@ -31,6 +28,17 @@ class OutOfBlocks(RuntimeError):
 class HasBlockTable(Protocol):
     block_table: list[int]
     num_computed: int
+
+
+class BlockReclaimer(Protocol):
+    """What the block manager asks of a cache that holds blocks no sequence uses (the prefix cache,
+    :class:`~lightning_llmopt.inference.prefix_cache.RadixCache`, which sits above this module and is handed in)."""
+
+    def num_evictable(self) -> int: ...
+
+    def evict(self, num_blocks: int) -> object: ...
+
+    def on_release(self, block: int) -> None: ...
 
 
 class BlockAllocator:
@@ -97,7 +105,7 @@ class BlockManager:
             raise ValueError(f"block_size ({block_size}) must be >= 1")
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
-        self.prefix_cache: RadixCache | None = None
+        self.prefix_cache: BlockReclaimer | None = None  # set by the owner of the prefix cache
 
     # ------------------------------------------------------------------ queries
     def blocks_for(self, num_tokens: int) -> int:

@@ -22,7 +22,7 @@ interpreter tests).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import triton
@@ -32,11 +32,26 @@ from torch import Tensor
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
 
 if TYPE_CHECKING:
-    from lightning_llmopt.inference.runner import ModelRunner, StepInputs
+    from lightning_llmopt.inference.kv_pool import KVPool
+    from lightning_llmopt.inference.step_inputs import StepInputs
+    from lightning_llmopt.models.llama import Llama
 
 ensure_interpreted_stdlib()
 
-__all__ = ["add_rms_norm", "fused_forward", "rope_store", "silu_mul"]
+__all__ = ["FusedRunner", "add_rms_norm", "fused_forward", "rope_store", "silu_mul"]
+
+
+class FusedRunner(Protocol):
+    """What :func:`fused_forward` reads of the :class:`~lightning_llmopt.inference.runner.ModelRunner` that calls it
+    (handed in, so this module does not import the runner above it)."""
+
+    model: Llama
+    linear: Any
+    pool: KVPool
+
+    def attention(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, inp: StepInputs, max_context: int | None = None
+    ) -> Tensor: ...
 
 
 def _pow2(n: int) -> int:
@@ -246,7 +261,7 @@ def silu_mul(a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
-def fused_forward(runner: ModelRunner, inp: StepInputs, max_context: int | None = None) -> Tensor:
+def fused_forward(runner: FusedRunner, inp: StepInputs, max_context: int | None = None) -> Tensor:
     """Final-norm hidden states ``(S, dim)`` of the rows ``inp.logits_idx`` (the runner's forward, fused)."""
     model = runner.model
     assert model.tok_embeddings is not None and model.norm is not None

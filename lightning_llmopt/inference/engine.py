@@ -33,7 +33,7 @@ from lightning_llmopt.inference.quant import calibrate_kv_scales
 from lightning_llmopt.inference.request import Completion, Request, RequestMetrics, StreamEvent, now
 from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.runner import ModelRunner, to_device
-from lightning_llmopt.inference.sampling import SamplingParams, sample
+from lightning_llmopt.inference.sampling import SamplingParams, sample_batch
 from lightning_llmopt.inference.scheduler import Schedule, Scheduler, Work
 from lightning_llmopt.inference.spec_chain import capture_rounds, speculative_rounds
 from lightning_llmopt.inference.stats import EngineStats
@@ -161,6 +161,8 @@ class LLMEngine(EngineOutputs):
         tokens, dropped = validate_prompt(
             prompt, params, truncate, self.tokenizer, self.model.config.vocab_size, self.max_model_len
         )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {list(params.stop)!r} need a tokenizer to detokenise the output")
         need = self.blocks.blocks_for(len(tokens) + params.max_tokens)
         if need > self.blocks.allocator.capacity:
             raise ValueError(
@@ -169,6 +171,15 @@ class LLMEngine(EngineOutputs):
             )
         self.pool.check_ready()
         return tokens, dropped
+
+    def check_request(self, prompt: Prompt, params: SamplingParams | None = None, truncate: bool = False) -> list[int]:
+        """Validate a request as :meth:`add_request` does, queueing nothing; returns the prompt's token ids. It only
+        reads the engine's configuration, so another thread (an HTTP handler) may call it while the engine steps."""
+        return self._validate(prompt, params if params is not None else SamplingParams(), truncate)[0]
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is queued, running, or finished and not collected by :meth:`result` yet."""
+        return request_id in self._requests
 
     def add_request(
         self,
@@ -327,8 +338,10 @@ class LLMEngine(EngineOutputs):
             return []
         if rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
-        tokens = sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
-        return [self._append(seq, tok) for seq, tok in zip(seqs, tokens, strict=True)]
+        params = [s.request.params for s in seqs]
+        histories = [(s.tokens, s.prompt_len) for s in seqs] if any(p.penalised for p in params) else None
+        out = sample_batch(logits, params, [s.generator for s in seqs], histories)
+        return [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, out.tokens, out.logprobs, strict=True)]
 
     # ------------------------------------------------------------------ batch API
     def _prepare_batch(

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lightning_llmopt.inference.detokenize import TextState
 from lightning_llmopt.inference.request import Completion, CompletionOutput, Request, StreamEvent, now
 from lightning_llmopt.inference.request import Sequence as Seq
+from lightning_llmopt.inference.sampling import TokenLogprobs
 
 if TYPE_CHECKING:
     from lightning_llmopt.inference.scheduler import Scheduler
@@ -28,33 +30,48 @@ class EngineOutputs:
     max_model_len: int
     _requests: dict[str, Request]
 
-    def _append(self, seq: Seq, token: int) -> StreamEvent:
-        return self._append_tokens(seq, [token])
+    def _append(self, seq: Seq, token: int, logprobs: TokenLogprobs | None = None) -> StreamEvent:
+        return self._append_tokens(seq, [token], None if logprobs is None else [logprobs])
 
-    def _append_tokens(self, seq: Seq, tokens: list[int]) -> StreamEvent:
-        """Append sampled ``tokens`` in order, stopping at a stop token or the length limit (later ones dropped)."""
+    def _append_tokens(
+        self, seq: Seq, tokens: list[int], logprobs: list[TokenLogprobs | None] | None = None
+    ) -> StreamEvent:
+        """Append sampled ``tokens`` in order, stopping at a stop token, a stop string or the length limit (later
+        ones dropped). ``logprobs`` holds each token's log-probabilities when its request asked for them."""
         req, p = seq.request, seq.request.params
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now()
+        if seq.text is None and self.tokenizer is not None:
+            seq.text = TextState(self.tokenizer, req.prompt_token_ids, p.stop)
         eos = getattr(self.tokenizer, "eos_id", None)
         reason = None
-        for token in tokens:
+        start = seq.num_output
+        for i, token in enumerate(tokens):
             if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
                 reason = "stop"
                 break
             seq.tokens.append(token)
+            if p.logprobs is not None and logprobs is not None and logprobs[i] is not None:
+                seq.logprobs.append(logprobs[i])  # type: ignore[arg-type]
+            if seq.text is not None and seq.text.add(token):
+                reason = "stop"
+                break
             if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
                 reason = "length"
                 break
         if reason is not None:
             seq.num_computed = min(seq.num_computed, len(seq.tokens))  # accepted drafts past a stop: not kept
             self.scheduler.finish(seq, reason)
+            if seq.text is not None:
+                seq.text.flush()
             if req.finished:
                 req.metrics.finish_time = now()
                 self.stats.record(req.metrics, sum(s.num_output for s in req.seqs))
         new = seq.output_tokens[seq.num_streamed :]
         seq.num_streamed = seq.num_output
-        return StreamEvent(req.request_id, seq.index, new, self._decode(new), reason is not None, reason)
+        text = seq.text.take(reason is not None) if seq.text is not None else None
+        lps = seq.logprobs[start:] if p.logprobs is not None else None
+        return StreamEvent(req.request_id, seq.index, new, text, reason is not None, reason, lps)
 
     def _decode(self, tokens: list[int]) -> str | None:
         """Text of ``tokens``; ids the tokenizer does not know (a model vocabulary padded past the tokenizer's) are
@@ -72,7 +89,13 @@ class EngineOutputs:
         """The completion of a request (pops it from the engine once finished)."""
         req = self._requests[request_id]
         outs = [
-            CompletionOutput(s.index, s.output_tokens, self._decode(s.output_tokens), s.finish_reason)
+            CompletionOutput(
+                s.index,
+                s.output_tokens,
+                s.text.text if s.text is not None and not s.text.failed else self._decode(s.output_tokens),
+                s.finish_reason,
+                list(s.logprobs) if req.params.logprobs is not None else None,
+            )
             for s in sorted(req.seqs, key=lambda s: s.index)
         ]
         if req.finished:

@@ -34,12 +34,12 @@ from lightning_llmopt.inference.runner import decode_rows
 from lightning_llmopt.inference.scheduler import Schedule, Work
 
 if TYPE_CHECKING:
-    from lightning_llmopt.inference.engine import LLMEngine
+    from lightning_llmopt.inference.engine_core import EngineCore
 
 __all__ = ["greedy_steps", "steps_for"]
 
 
-def steps_for(engine: LLMEngine, work: list[Work], speculating: bool = False) -> int:
+def steps_for(engine: EngineCore, work: list[Work], speculating: bool = False) -> int:
     """How many greedy steps ``work`` (a decode-only step) can run in one round trip; 1 when it must take the
     ordinary path: no graphs, a sequence speculating this step, a waiting request that could be admitted now, a
     sampled (non-greedy) or parallel-sampled sequence, or fewer than two tokens left to any sequence. A speculative
@@ -54,13 +54,13 @@ def steps_for(engine: LLMEngine, work: list[Work], speculating: bool = False) ->
         return 1
     for w in work:
         seq, p = w.seq, w.seq.request.params
-        if w.num_tokens != 1 or not w.samples or not p.greedy or p.n != 1:
+        if w.num_tokens != 1 or not w.samples or not p.greedy or not p.plain or p.n != 1:
             return 1
         k = min(k, p.max_tokens - seq.num_output, engine.max_model_len - len(seq.tokens))
     return k if k >= 2 else 1
 
 
-def _admissible(engine: LLMEngine) -> bool:
+def _admissible(engine: EngineCore) -> bool:
     """Whether a waiting request may be admitted before a running sequence ends: enough slots are free for the
     scheduler to admit (it did not, for lack of blocks or budget, and may next step), or nothing runs."""
     sched = engine.scheduler
@@ -72,7 +72,7 @@ def _admissible(engine: LLMEngine) -> bool:
     return free >= min(sched.admission_batch, len(sched.waiting))
 
 
-def greedy_steps(engine: LLMEngine, work: list[Work], k: int) -> list[StreamEvent] | None:
+def greedy_steps(engine: EngineCore, work: list[Work], k: int) -> list[StreamEvent] | None:
     """Run ``k`` greedy decode steps of ``work`` (see the module docstring); ``None``, with nothing changed but
     blocks added to sequence tables, when the pool cannot hold ``k`` more tokens of every sequence."""
     graphs = engine.graphs

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_llmopt.inference.sampling import SamplingParams
+from lightning_llmopt.inference.detokenize import TextState
+from lightning_llmopt.inference.sampling import SamplingParams, TokenLogprobs
 
 __all__ = ["Completion", "CompletionOutput", "Request", "RequestMetrics", "SeqStatus", "Sequence", "StreamEvent"]
 
@@ -43,6 +44,8 @@ class Sequence:
         self.cached_tokens = 0  # prompt tokens reused from the prefix cache at admission
         self.matched = False  # prefix cache consulted for the current admission
         self.deferred = False  # admission already postponed once (cache-aware admission)
+        self.text: TextState | None = None  # detokenised output (with a tokenizer), stop strings
+        self.logprobs: list[TokenLogprobs] = []  # one per output token when the request asks for logprobs
 
     @property
     def output_tokens(self) -> list[int]:
@@ -105,12 +108,14 @@ class Request:
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence: ``token_ids`` (stop token excluded), ``text`` (with a tokenizer), why it ended."""
+    """One generated sequence: ``token_ids`` (stop token excluded), ``text`` (with a tokenizer; cut before a stop
+    string), why it ended, and each token's log-probabilities when the request asked for them."""
 
     index: int
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -134,7 +139,11 @@ class Completion:
 
 @dataclass
 class StreamEvent:
-    """New tokens of one sequence since the previous event (``finished`` with ``finish_reason`` at the end)."""
+    """New tokens of one sequence since the previous event (``finished`` with ``finish_reason`` at the end).
+
+    ``text`` is the new text (incremental detokenisation: never half a character; text that could begin a stop
+    string is held back until it is known not to), ``logprobs`` the new tokens' log-probabilities when asked for.
+    """
 
     request_id: str
     index: int
@@ -142,6 +151,7 @@ class StreamEvent:
     text: str | None
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 def now() -> float:

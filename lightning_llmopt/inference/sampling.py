@@ -1,88 +1,61 @@
-"""Sampling parameters and the sampler.
+"""The sampler: one batched pass over the ``(N, V)`` logits of a step, on their device.
 
-Per row of logits the sampler applies, in order: temperature (0 means greedy: ``argmax``, no randomness), top-k
-(keep the ``k`` largest logits), top-p (keep the smallest set of most likely tokens whose probability reaches ``p``;
-the most likely token is always kept), then draws one token with the row's own ``torch.Generator`` (seeded per
-request, so a seeded request samples the same tokens whatever else is in the batch).
+Per row, in order (every step is one tensor operation over the whole batch; rows that do not use an option get
+its neutral value):
+
+1. penalties (only when some row has one), on the fp32 logits ``x`` of tokens already seen: repetition
+   (Keskar et al. 2019: ``x / r`` where ``x > 0``, else ``x * r``, over prompt and output tokens), then frequency
+   and presence (OpenAI: ``x -= f * count + p * (count > 0)`` over output tokens);
+2. temperature: ``x / T`` (greedy rows take ``argmax`` of the penalised logits: no randomness);
+3. top-k: tokens below the k-th largest logit get ``-inf`` (ties with it are kept);
+4. top-p: over the top-k survivors sorted by probability, tokens whose more likely predecessors already hold
+   ``p`` of the mass get ``-inf`` (the most likely token always stays);
+5. min-p: tokens with probability below ``min_p`` times the largest get ``-inf``;
+6. the draw, as an exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per token picks token ``i``
+   with probability ``probs[i]`` (the Gumbel-max trick in exponential form). Each row's noise comes from its own
+   ``torch.Generator`` (one call per distinct generator: rows of unseeded requests share the engine's), so a seeded
+   request draws the same tokens whatever else is in the batch.
+
+Log-probabilities (``logprobs``) are those of the model's raw distribution (``log_softmax`` of the logits before
+any of the steps above), of the sampled token and of the ``logprobs`` most likely ones. The whole pass reads the
+results back to the host once, with no per-row synchronisation. Greedy batches without penalties or logprobs are
+one ``argmax`` as before: greedy output is unchanged.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["SamplingParams", "sample"]
+from lightning_llmopt.inference.sampling_params import MAX_LOGPROBS, SamplingParams
+
+__all__ = ["MAX_LOGPROBS", "Sampled", "SamplingParams", "TokenLogprobs", "sample", "sample_batch"]
+
+History = tuple[Sequence[int], int]  # (prompt + output tokens, prompt length)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to continue one prompt.
+@dataclass
+class TokenLogprobs:
+    """A sampled ``token``, its log-probability and the ``k`` most likely tokens' ``(token, logprob)``, best first."""
 
-    Arguments:
-        max_tokens: number of tokens to generate at most (>= 1).
-        temperature: 0 for greedy decoding; otherwise logits are divided by it before sampling (> 0).
-        top_k: keep only the ``top_k`` most likely tokens (``None`` or 0: all).
-        top_p: nucleus sampling: keep the most likely tokens whose cumulative probability reaches ``top_p``
-            (in ``(0, 1]``; 1 keeps all).
-        seed: seeds the request's own generator; ``None`` draws from the engine's generator.
-        stop_token_ids: tokens that end the sequence (not included in the output).
-        ignore_eos: do not stop at the tokenizer's end-of-sequence token.
-        n: number of sequences sampled from the prompt (parallel sampling; they share the prompt's KV blocks,
-            copied on write). ``n > 1`` needs ``temperature > 0``.
-    """
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    n: int = 1
 
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens ({self.max_tokens!r}) must be an integer >= 1")
-        if (
-            not isinstance(self.temperature, (int, float))
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
-            raise ValueError(f"temperature ({self.temperature!r}) must be a finite number >= 0 (0 is greedy)")
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0
-        ):
-            raise ValueError(f"top_k ({self.top_k!r}) must be None or an integer >= 0 (0 keeps every token)")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p ({self.top_p!r}) must be in (0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed ({self.seed!r}) must be None or an integer >= 0")
-        stops = tuple(self.stop_token_ids)
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
-            raise ValueError(f"stop_token_ids ({list(stops)!r}) must be non-negative integers")
-        object.__setattr__(self, "stop_token_ids", stops)
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n ({self.n!r}) must be an integer >= 1")
-        if self.n > 1 and self.temperature == 0:
-            raise ValueError(f"n ({self.n}) > 1 needs temperature > 0: greedy samples would all be identical")
+@dataclass
+class Sampled:
+    """One step's draws: a token per row and, for rows that asked, their :class:`TokenLogprobs`."""
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Raise if a stop token lies outside the vocabulary."""
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
 
 
 def _filter(logits: Tensor, top_k: int | None, top_p: float) -> Tensor:
-    """``(V,)`` fp32 logits with the tokens outside top-k / top-p set to -inf."""
+    """``(V,)`` fp32 logits with the tokens outside top-k / top-p set to -inf (one row; the drafters' reference)."""
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -96,22 +69,130 @@ def _filter(logits: Tensor, top_k: int | None, top_p: float) -> Tensor:
     return logits
 
 
-def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``(N, V)`` (any float dtype; computed in fp32)."""
+def _column(values: list[float] | list[int], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``(N, 1)`` tensor of per-row values on ``like``'s device (a host-to-device copy, no synchronisation)."""
+    return torch.tensor(values, dtype=dtype or like.dtype).to(like.device, non_blocking=True).unsqueeze(1)
+
+
+def _token_counts(
+    histories: Sequence[History], rows: list[int], n: int, vocab: int, device: torch.device, prompt: bool
+) -> Tensor:
+    """``(N, V)`` fp32 counts of the output tokens of ``rows`` (``prompt``: of their prompt and output tokens)."""
+    lists = [histories[r][0] if prompt else histories[r][0][histories[r][1] :] for r in rows]
+    lengths = torch.tensor([len(t) for t in lists], dtype=torch.long)
+    ids = torch.tensor([t for tokens in lists for t in tokens], dtype=torch.long).to(device, non_blocking=True)
+    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths).to(device, non_blocking=True)
+    counts = torch.zeros(n, vocab, device=device)
+    return counts.index_put_((row_of, ids), torch.ones(ids.shape, device=device), accumulate=True)
+
+
+def apply_penalties(x: Tensor, params: Sequence[SamplingParams], histories: Sequence[History]) -> Tensor:
+    """Repetition, frequency and presence penalties on fp32 logits ``x`` ``(N, V)`` (step 1 of the module)."""
+    n, vocab = x.shape
+    if any(p.repetition_penalty != 1 for p in params):
+        rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
+        seen = _token_counts(histories, rows, n, vocab, x.device, prompt=True) > 0
+        r = _column([p.repetition_penalty for p in params], x)
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
+        rows = [i for i, p in enumerate(params) if p.presence_penalty != 0 or p.frequency_penalty != 0]
+        counts = _token_counts(histories, rows, n, vocab, x.device, prompt=False)
+        freq = _column([p.frequency_penalty for p in params], x)
+        pres = _column([p.presence_penalty for p in params], x)
+        x = x - freq * counts - pres * (counts > 0).to(x.dtype)
+    return x
+
+
+def filter_rows(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Top-k, top-p and min-p of every row of fp32 logits ``x`` ``(N, V)`` at once (steps 3-5 of the module)."""
+    n, vocab = x.shape
+    ks = [p.top_k if p.top_k and p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in ks) or any(p.top_p < 1 for p in params):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        kth = sorted_x.gather(1, _column([k - 1 for k in ks], x, torch.long))
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+        top_p = _column([p.top_p if p.top_p < 1 else 2.0 for p in params], x)  # 2: never reached
+        sorted_x = sorted_x.masked_fill(before >= top_p, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    if any(p.min_p > 0 for p in params):
+        probs = torch.softmax(x, dim=-1)
+        floor = _column([p.min_p for p in params], x) * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(probs < floor, float("-inf"))
+    return x
+
+
+def _noise(shape: tuple[int, int], generators: Sequence[torch.Generator | None], device: torch.device) -> Tensor:
+    """``(N, V)`` Exp(1) noise; row ``i`` from ``generators[i]`` (rows sharing a generator in one call, in row
+    order); rows without a generator (greedy) get ones."""
+    q = torch.ones(shape, device=device)
+    groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+    for i, g in enumerate(generators):
+        if g is not None:
+            groups.setdefault(id(g), (g, []))[1].append(i)
+    for g, rows in groups.values():
+        if len(rows) == shape[0]:
+            q.exponential_(generator=g)
+        elif len(rows) == 1:
+            q[rows[0]].exponential_(generator=g)
+        else:
+            block = torch.empty(len(rows), shape[1], device=device).exponential_(generator=g)
+            q.index_copy_(0, torch.tensor(rows).to(device, non_blocking=True), block)
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)  # an exact 0 would turn a masked token's 0 / 0 into NaN
+
+
+def _logprobs(logits: Tensor, tokens: Tensor, params: Sequence[SamplingParams]) -> Sampled:
+    """The tokens, and the log-probabilities of the rows that ask (one read-back of all of them)."""
+    want = [p.logprobs for p in params]
+    if all(w is None for w in want):
+        return Sampled(tokens.tolist(), [None] * len(params))
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    k = max(w for w in want if w is not None)
+    top = lp.topk(k, dim=-1) if k > 0 else None
+    toks, chosen_h = tokens.tolist(), chosen.tolist()
+    values, ids = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    out: list[TokenLogprobs | None] = []
+    for i, w in enumerate(want):
+        top_i = [(ids[i][j], values[i][j]) for j in range(w)] if w else []
+        out.append(None if w is None else TokenLogprobs(toks[i], chosen_h[i], top_i))
+    return Sampled(toks, out)
+
+
+def sample_batch(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    histories: Sequence[History] | None = None,
+) -> Sampled:
+    """One token per row of ``logits`` ``(N, V)`` (any float dtype; computed in fp32) under ``params[i]``, drawing
+    with ``generators[i]`` (ignored for greedy rows). ``histories[i]`` is ``(tokens, prompt_len)`` of row ``i``'s
+    sequence, needed when a row has a penalty. See the module docstring for the steps."""
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params and {len(generators)} generators")
-    out: list[int] = [0] * len(params)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if len(greedy) == len(params):  # the common case: one argmax, one device sync
-        return [int(t) for t in logits.argmax(dim=-1).tolist()]
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
-        for i, tok in zip(greedy, logits.index_select(0, idx).argmax(dim=-1).tolist(), strict=True):
-            out[i] = int(tok)
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = _filter(logits[i].float() / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-    return out
+    penalised = any(p.penalised for p in params)
+    if not penalised and all(p.greedy for p in params):  # the common case: one argmax
+        return _logprobs(logits, logits.argmax(dim=-1), params)
+    x = logits.float()
+    if penalised:
+        if histories is None:
+            raise ValueError("a penalised row needs histories=(tokens, prompt_len) per row")
+        x = apply_penalties(x, params, histories)
+    greedy_tokens = x.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        x = x / _column([p.temperature if not p.greedy else 1.0 for p in params], x)
+        probs = torch.softmax(filter_rows(x, params), dim=-1)
+        gens = [g if not p.greedy else None for p, g in zip(params, generators, strict=True)]
+        drawn = (probs / _noise((x.shape[0], x.shape[1]), gens, x.device)).argmax(dim=-1)
+        is_greedy = _column([p.greedy for p in params], x, torch.bool).squeeze(1)
+        tokens = torch.where(is_greedy, greedy_tokens, drawn)
+    else:
+        tokens = greedy_tokens
+    return _logprobs(logits, tokens, params)
+
+
+def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of ``logits`` ``(N, V)`` (:func:`sample_batch` without penalties' histories)."""
+    return sample_batch(logits, params, generators).tokens

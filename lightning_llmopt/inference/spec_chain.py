@@ -52,12 +52,12 @@ from lightning_llmopt.inference.scheduler import Schedule, Work
 from lightning_llmopt.inference.speculative import expected_tokens
 
 if TYPE_CHECKING:
-    from lightning_llmopt.inference.engine import LLMEngine
+    from lightning_llmopt.inference.engine_core import EngineCore
 
 __all__ = ["capture_rounds", "rounds_for", "speculative_rounds"]
 
 
-def rounds_for(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Work, int]]) -> tuple[int, int]:
+def rounds_for(engine: EngineCore, sched: Schedule, wanted: list[tuple[Work, int]]) -> tuple[int, int]:
     """``(k, R)``: the draft length and rounds :func:`speculative_rounds` can run for this step, ``R = 0`` when it
     must take the host path. ``R`` is at most ``decode_steps``, and no more than the rounds the sequence closest to
     its ``max_tokens`` is expected to need at its acceptance rate (tokens past the limit are dropped, so only the last
@@ -79,13 +79,15 @@ def rounds_for(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Work, int]
         seq, p = w.seq, w.seq.request.params
         if w.num_tokens != 1 or not w.samples or w.start != seq.num_computed or not p.greedy or p.n != 1:
             return 0, 0
+        if not p.plain:  # penalties, min-p or logprobs need the full sampler
+            return 0, 0
         expected = expected_tokens(min(spec.controller.alpha(seq.seq_id), 1.0 - 1e-6), k)
         rounds = min(rounds, math.ceil((p.max_tokens - seq.num_output) / expected))
         rounds = min(rounds, (engine.max_model_len - len(seq.tokens)) // (k + 1))
     return (k, rounds) if rounds >= 1 else (0, 0)
 
 
-def _padded(engine: LLMEngine, B: int, k: int) -> int:
+def _padded(engine: EngineCore, B: int, k: int) -> int:
     """Sequences a round graph for ``B`` sequences holds: the next of ``graph_batch_sizes`` (padding sequences
     write only into the null block), so a few graphs serve every batch size; ``B`` itself if that one's rows do not
     fit the captured decode sizes (whose kernels are tuned), 0 if neither does."""
@@ -111,7 +113,7 @@ class RoundGraph:
     which the next draft pass reads as its tokens. Column ``c`` is sequence ``seq[c]`` at position
     ``L[seq[c]] + offset[c]``."""
 
-    def __init__(self, engine: LLMEngine, B: int, k: int) -> None:
+    def __init__(self, engine: EngineCore, B: int, k: int) -> None:
         assert engine.spec is not None and engine.graphs is not None
         drafter = engine.spec.drafter
         assert isinstance(drafter, ModelDrafter) and drafter.graphs is not None
@@ -231,7 +233,7 @@ class _Run:
     events: tuple[Any, Any, Any] | None  # CUDA: begin, end of the rounds, and the copy's completion
 
 
-def capture_rounds(engine: LLMEngine) -> None:
+def capture_rounds(engine: EngineCore) -> None:
     """Capture the round graph of every draft length the controller can choose and every captured batch size up to
     ``max_num_seqs`` (those whose rows fit the decode graphs), as the engine captures its decode graphs at start: a
     graph captured on first use stalls that step (warm-up rounds, kernel tuning for new row counts)."""
@@ -246,7 +248,7 @@ def capture_rounds(engine: LLMEngine) -> None:
                 _graph_for(engine, b, k)
 
 
-def _graph_for(engine: LLMEngine, B: int, k: int) -> RoundGraph:
+def _graph_for(engine: EngineCore, B: int, k: int) -> RoundGraph:
     """The :class:`RoundGraph` of ``B`` sequences (padded) and ``k`` drafts, captured on first use."""
     spec = engine.spec
     assert spec is not None
@@ -256,7 +258,7 @@ def _graph_for(engine: LLMEngine, B: int, k: int) -> RoundGraph:
     return spec.round_graphs[key]
 
 
-def _launch(engine: LLMEngine, graph: RoundGraph, seqs: list[Seq], k: int, rounds: int, starts: list[int]) -> _Run:
+def _launch(engine: EngineCore, graph: RoundGraph, seqs: list[Seq], k: int, rounds: int, starts: list[int]) -> _Run:
     """Queue ``rounds`` replays of ``graph`` (its state and tables already staged) and the copy of their tokens."""
     assert engine.spec is not None
     engine.spec.device_runs += 1
@@ -287,7 +289,7 @@ def _read(run: _Run) -> tuple[list, float]:
     return run.host.tolist(), run.events[0].elapsed_time(run.events[1]) / 1e3
 
 
-def _grow(engine: LLMEngine, seqs: list[Seq], upto: list[int], extra: list[tuple[int, int]]) -> bool:
+def _grow(engine: EngineCore, seqs: list[Seq], upto: list[int], extra: list[tuple[int, int]]) -> bool:
     """Give every sequence target and draft blocks for positions ``< upto[i]`` and run the block copies (``extra``
     first); False when a pool is short (the copies found so far still run; tables may have grown)."""
     spec = engine.spec
@@ -304,7 +306,7 @@ def _grow(engine: LLMEngine, seqs: list[Seq], upto: list[int], extra: list[tuple
     return True
 
 
-def _follow(engine: LLMEngine, run: _Run, tokens: list) -> _Run | None:
+def _follow(engine: EngineCore, run: _Run, tokens: list) -> _Run | None:
     """Launch the run after ``run`` before ``run``'s tokens are committed, so the device computes it while the host
     commits them and schedules the next step: only when every sequence goes on (no stop token, tokens left) and
     nothing waiting could be admitted. The next step takes it if its batch and ``k`` are the same (else its work is
@@ -332,7 +334,7 @@ def _follow(engine: LLMEngine, run: _Run, tokens: list) -> _Run | None:
     return _launch(engine, run.graph, run.seqs, k, rounds, lengths)
 
 
-def speculative_rounds(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Work, int]]) -> list[StreamEvent] | None:
+def speculative_rounds(engine: EngineCore, sched: Schedule, wanted: list[tuple[Work, int]]) -> list[StreamEvent] | None:
     """Run this decode step as device-side speculative rounds (module docstring); ``None`` (nothing run, tables
     possibly grown) when :func:`rounds_for` rules it out or a pool is short of blocks. A run launched behind the
     previous one (:func:`_follow`) is taken when it matches this step."""
@@ -379,7 +381,7 @@ def speculative_rounds(engine: LLMEngine, sched: Schedule, wanted: list[tuple[Wo
     return events
 
 
-def _commit(engine: LLMEngine, seqs: list[Seq], tokens: list, k: int, seconds: float, trim: bool) -> list[StreamEvent]:
+def _commit(engine: EngineCore, seqs: list[Seq], tokens: list, k: int, seconds: float, trim: bool) -> list[StreamEvent]:
     """Commit each round as the host path commits a speculative step; then record the draft states and, unless a
     run is in flight behind this one (its writes lie in those blocks), release the blocks past each sequence."""
     spec = engine.spec

@@ -162,6 +162,7 @@ class SpeculativeDecoder:
         """The step's decodes that speculate and the draft length each wants (the adaptive controller's choice,
         before the room and budget caps of :meth:`extend`)."""
         decodes = [w for w in sched.work if w.num_tokens == 1 and w.samples and w.seq.num_output > 0]
+        decodes = [w for w in decodes if w.seq.request.params.plain]  # penalties, min-p, logprobs: full sampler
         if not decodes or self.controller.idle(len(decodes)):
             return []
         plan = self.controller.plan_active([w.seq.seq_id for w in decodes], len(decodes))
