@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
-from lightning_llmopt.models.config import LlamaConfig
-from lightning_llmopt.models.hf import from_hf
+from lightning_llmopt.cli.progress import Progress
+from lightning_llmopt.models.hf_files import write_tokenizer_files
 from lightning_llmopt.models.llama import Llama
 from lightning_llmopt.quantization import QuantConfig, quantize_model, save_compressed_tensors, save_gptq
+from lightning_llmopt.quantization.apply import quantizable_linears
 
-__all__ = ["build_parser", "calibration_batches", "load_float_model", "main", "save_quantized"]
+__all__ = ["build_parser", "calibration_batches", "load_float_model", "load_source", "main", "save_quantized"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("compressed-tensors", "gptq")
@@ -35,25 +36,30 @@ FORMATS = ("compressed-tensors", "gptq")
 
 def load_float_model(src: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> Llama:
     """A :class:`Llama` from a Hugging Face folder or a ``CausalLMModule`` Lightning checkpoint."""
+    return load_source(src, dtype, device)[0]
+
+
+def load_source(src: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> tuple[Llama, Any, str]:
+    """``(model, tokenizer or None, arch)`` of a float source: a Hugging Face folder (its ``model_type`` is the
+    architecture written), a ``CausalLMModule`` ``.ckpt`` or one of our sharded checkpoint folders (the
+    architecture follows the config: :func:`~lightning_llmopt.models.hf_config.arch_of`)."""
+    from lightning_llmopt.inference.loading import load_model
+    from lightning_llmopt.models.hf_config import arch_of
+    from lightning_llmopt.models.hf_files import read_config
+
     path = Path(src)
-    if path.is_file() and path.suffix == ".ckpt":
-        # A Lightning checkpoint holds Python objects beside tensors (hyper-parameters, loop state): the user
-        # names the file, so it is trusted as Lightning itself trusts it.
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        values = ckpt.get("hyper_parameters", {}).get("model")
-        if not isinstance(values, dict):
-            raise ValueError(f"{path} has no hyper_parameters['model'] (not a CausalLMModule checkpoint?)")
-        config = LlamaConfig.from_dict(values)
-        sd = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-        with torch.device("meta"):
-            model = Llama(config)
-        model.load_state_dict(sd, strict=True, assign=True)
-        if config.tie_embeddings:
-            assert model.output is not None and model.tok_embeddings is not None
-            model.output.weight = model.tok_embeddings.weight
-        model.reset_buffers("cpu")
-        return model.to(device=device, dtype=dtype)
-    return from_hf(path, dtype=dtype, device=device)
+    if not path.exists():
+        raise FileNotFoundError(f"source {str(src)!r} does not exist")
+    model_type = None
+    if path.is_dir() and (path / "config.json").is_file():
+        hf_config = read_config(path)
+        if hf_config.get("quantization_config"):
+            raise ValueError(f"source {str(src)!r} is already quantized; use `llmopt export` to change its format")
+        model_type = hf_config.get("model_type")
+    # A Lightning checkpoint holds Python objects beside tensors (hyper-parameters, loop state): the user names
+    # the file, so it is trusted as Lightning itself trusts it.
+    model, tokenizer = load_model(path, dtype=dtype, device=device, trust_pickle=True)
+    return model, tokenizer, arch_of(model.config, model_type)
 
 
 def calibration_batches(
@@ -108,9 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening (fraction of the mean diagonal)")
     p.add_argument("--format", choices=FORMATS, default="compressed-tensors")
-    p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama")
+    p.add_argument(
+        "--arch",
+        choices=("llama", "mistral", "qwen2"),
+        default=None,
+        help="model_type written (default: the source folder's, else from the config: qwen2 with q/k/v biases, "
+        "mistral with a sliding window, else llama)",
+    )
     p.add_argument("--data", default=None, help="calibration text (file or folder); default: the standard library")
-    p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json (default: SRC's, else bytes)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="'byte' or a tokenizer folder/tokenizer.json for calibration and for the output folder (default: SRC's "
+        "own: the folder's tokenizer files or the checkpoint's remembered tokenizer, else bytes)",
+    )
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument(
@@ -124,18 +141,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tokenizer(args: argparse.Namespace) -> str | None:
-    if args.tokenizer is not None:
-        return None if args.tokenizer == "byte" else args.tokenizer
-    src = Path(args.src)
-    return str(src) if src.is_dir() and (src / "tokenizer.json").is_file() else None
+def _calibration_spec(tokenizer: Any) -> str | None:
+    """The :class:`TextDataModule` spec of a loaded tokenizer (``None``: bytes)."""
+    path = getattr(tokenizer, "path", None)
+    return str(path) if path is not None else None
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
-    """Entry point of ``llmopt quantize``; returns the output folder."""
+    """Entry point of ``llmopt quantize``; returns the output folder.
+
+    Prints to stderr what it reads, where the calibration text comes from, and the progress over the layers (a bar on
+    a terminal, a line every 10 s otherwise); to stdout one summary line."""
+    import sys
+
+    from lightning_llmopt.data.tokenizers import load_tokenizer
+
     args = build_parser().parse_args(argv)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    model = load_float_model(args.src, dtype, args.device).eval()
+    print(f"[quantize] loading {args.src}", file=sys.stderr, flush=True)
+    model, tokenizer, arch = load_source(args.src, dtype, args.device)
+    model.eval()
+    arch = args.arch or arch
+    if args.tokenizer is not None:
+        tokenizer = load_tokenizer(args.tokenizer)
     config = QuantConfig(
         bits=args.bits,
         group_size=args.group_size or None,
@@ -148,14 +176,18 @@ def main(argv: Sequence[str] | None = None) -> Path:
     )
     calibration: Any = None
     if args.method == "gptq":
+        source = args.data or "the Python standard library (fallback: pass --data with text like the model's use)"
+        print(f"[quantize] calibration text: {source}", file=sys.stderr, flush=True)
         calibration = calibration_batches(
-            args.data, _tokenizer(args), args.calib_samples, args.seq_len, model.config.vocab_size
+            args.data, _calibration_spec(tokenizer), args.calib_samples, args.seq_len, model.config.vocab_size
         )
-    report = quantize_model(model, config, calibration)
-    out = save_quantized(model, args.out, args.format, args.arch)
+    with Progress("quantize", len(quantizable_linears(model, config)), "layers") as bar:
+        report = quantize_model(model, config, calibration, progress=lambda name: bar.update(1, name))
+    out = save_quantized(model, args.out, args.format, arch)
+    write_tokenizer_files(out, tokenizer)
     print(
         f"quantized {len(report.layers)} linear layers ({args.method}, {next(iter(report.layers.values()), '-')}) "
-        f"in {report.seconds:.1f} s; wrote {args.format} checkpoint to {out}",
+        f"in {report.seconds:.1f} s; wrote {args.format} checkpoint ({arch}) to {out}",
         flush=True,
     )
     return out
