@@ -110,6 +110,7 @@ _SUBCOMMANDS = {
     "export": "export",
     "generate": "generate",
     "pipeline-plan": "pipeline_plan",
+    "serve": "serve",
 }
 
 

@@ -1,0 +1,109 @@
+"""``llmopt serve``: an OpenAI-compatible HTTP server over the inference engine.
+
+    llmopt serve runs/ckpts --port 8000                         # our checkpoint, a Lightning .ckpt or an HF folder
+    llmopt serve hf_out/ --api-key secret --max-queue 256 --served-model-name llama
+    llmopt serve --preset tiny --tokenizer byte --port 8000      # a randomly initialised model (smoke tests)
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` (see
+docs/serving.md). The server answers ``/health`` with ``"loading"`` while the engine is built. Needs the ``serve``
+extra: ``pip install 'lightning_llmopt[serve]'`` (FastAPI, uvicorn, prometheus-client).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lightning_llmopt.cli.generate import DTYPES
+
+    p = argparse.ArgumentParser(prog="llmopt serve", description="Serve a model over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=None, help="checkpoint folder, Lightning .ckpt, or Hugging Face folder")
+    p.add_argument("--preset", default=None, help="serve a randomly initialised model of this preset instead")
+    p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json path (default: the model folder's)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: folder name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--max-queue", type=int, default=None, help="requests that may wait beyond --max-num-seqs (503)")
+    p.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) to use")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds requests in flight may finish")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as stored (bf16 for --preset)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from free GPU memory)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--trust-pickle", action="store_true", help="allow full unpickling of a Lightning .ckpt")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """The engine ``args`` describe (a checkpoint or a random ``--preset`` model, then the engine options)."""
+    import torch
+
+    from lightning_llmopt.cli.generate import DTYPES
+    from lightning_llmopt.data.tokenizers import load_tokenizer
+    from lightning_llmopt.inference import LLMEngine
+    from lightning_llmopt.inference.loading import load_model
+    from lightning_llmopt.models import Llama, LlamaConfig
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    tokenizer = None
+    if args.preset is not None:
+        torch.manual_seed(0)
+        default = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = Llama(LlamaConfig.from_preset(args.preset)).to(device=device, dtype=dtype or default)
+    else:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device, trust_pickle=args.trust_pickle)
+    if args.tokenizer is not None:
+        tokenizer = load_tokenizer(args.tokenizer)
+    return LLMEngine(
+        model,
+        tokenizer,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_cache,
+        cuda_graphs=not args.no_cuda_graphs,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``llmopt serve``: serves until interrupted (SIGINT/SIGTERM shut it down gracefully)."""
+    args = build_parser().parse_args(argv)
+    if (args.model is None) == (args.preset is None):
+        raise SystemExit("pass exactly one of MODEL (a checkpoint path) and --preset NAME")
+    try:
+        import uvicorn
+
+        from lightning_llmopt.inference.serving import Server, build_app
+    except ImportError as exc:
+        raise SystemExit(f"llmopt serve needs the serve extra: pip install 'lightning_llmopt[serve]' ({exc})") from None
+    name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
+    server = Server(
+        lambda: build_engine(args),
+        name,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        chat_template=args.chat_template,
+        model_path=args.model,
+        grace_s=args.shutdown_grace,
+    )
+    uvicorn.run(
+        build_app(server),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(args.shutdown_grace) + 1,
+    )

@@ -1,0 +1,274 @@
+"""The FastAPI application of ``llmopt serve``: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and
+``/v1/models``, plus ``/health`` and ``/metrics``.
+
+Handlers validate the body (:mod:`.protocol`), check the prompt against the engine (token ids, context length),
+hand the request to the engine loop (:mod:`.async_engine`) and read its events: as server-sent events in OpenAI's
+chunk format ending with ``data: [DONE]`` when ``stream`` is true, else as one JSON body. A client that goes away
+cancels its request. Errors are OpenAI's ``{"error": {...}}`` bodies: 400 for a bad request, 401 for a missing or
+wrong API key (``api_key``), 404 for an unknown model, 503 with ``Retry-After`` while loading or past ``max_queue``.
+"""
+
+# no ``from __future__ import annotations``: FastAPI reads the routes' ``Request`` annotations at runtime
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from lightning_llmopt.inference.engine import LLMEngine
+from lightning_llmopt.inference.serving.async_engine import AsyncEngine, QueueFull
+from lightning_llmopt.inference.serving.chat import ChatTemplate, find_chat_template
+from lightning_llmopt.inference.serving.metrics import ServerMetrics
+from lightning_llmopt.inference.serving.protocol import APIError, parse_chat, parse_completion
+from lightning_llmopt.inference.serving.responses import Job, chunk, full_response, usage, usage_chunk
+
+__all__ = ["Server", "build_app"]
+
+
+class Server:
+    """The state behind the routes: the engine loop, metrics, the served name and the chat template.
+
+    Arguments:
+        engine: an :class:`LLMEngine` or a callable building one (on the loop thread, after start-up).
+        model_name: the name clients pass as ``model``.
+        api_key: when set, ``/v1`` requests need ``Authorization: Bearer <api_key>``.
+        max_queue: requests that may wait beyond the engine's ``max_num_seqs`` (``None``: no limit).
+        chat_template: a template (file or text) overriding the model's.
+        model_path: the model folder (where the chat template is looked for).
+        grace_s: at shutdown, how long requests in flight may finish before they are cancelled.
+    """
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], model_name: str, api_key: str | None = None,
+                 max_queue: int | None = None, chat_template: str | None = None,
+                 model_path: str | Path | None = None, grace_s: float = 10.0) -> None:  # fmt: skip
+        self.model_name, self.api_key, self.grace_s = model_name, api_key, grace_s
+        self.metrics = ServerMetrics(lambda: (self.core.engine, self.core.in_flight))
+        self.core = AsyncEngine(engine, max_queue, on_step=self.metrics.on_step)
+        self._template_source, self._model_path = chat_template, model_path
+        self._template: ChatTemplate | None | bool = False  # False: not looked up yet
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self.core.engine is None or self.core.state != "ready":
+            raise APIError(503, f"the model is {self.core.state}", code="unavailable", kind="server_error",
+                           headers={"Retry-After": "5"})  # fmt: skip
+        return self.core.engine
+
+    def authorize(self, header: str | None) -> None:
+        if self.api_key is None:
+            return
+        given = header[7:] if header and header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            self.metrics.rejected.labels("unauthorized").inc()
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    def template(self, engine: LLMEngine) -> ChatTemplate:
+        if self._template is False:
+            source = find_chat_template(engine.tokenizer, self._model_path, self._template_source)
+            self._template = ChatTemplate(source, *_special_strings(engine.tokenizer)) if source else None
+        if self._template is None or self._template is True:
+            raise APIError(400, "this model has no chat template: use /v1/completions, or start the server with "
+                           "--chat-template FILE", param="messages", code="no_chat_template")  # fmt: skip
+        return self._template
+
+    def tokens(self, engine: LLMEngine, prompt: str | list[int], params: Any, param: str) -> list[int]:
+        try:
+            return engine.check_request(prompt, params)
+        except (ValueError, TypeError) as exc:
+            code = "context_length_exceeded" if "max_model_len" in str(exc) or "KV blocks" in str(exc) else None
+            raise APIError(400, str(exc), param=param, code=code or "invalid_value") from None
+
+    def submit(self, kind: str, model: str, prompts: list[list[int]], params: Any, logprobs: int | None) -> Job:
+        handles = []
+        try:
+            for tokens in prompts:
+                handles.append(self.core.submit(tokens, params))
+        except (QueueFull, RuntimeError) as exc:
+            for h in handles:
+                h.cancel()
+            self.metrics.rejected.labels("queue_full").inc()
+            raise APIError(503, f"server busy: {exc}", code="overloaded", kind="server_error",
+                           headers={"Retry-After": "1"}) from None  # fmt: skip
+        return Job(kind, model, handles, [len(t) for t in prompts], params.n, logprobs)
+
+    def finish(self, job: Job) -> None:
+        """Metrics of a finished job."""
+        now = time.perf_counter()
+        for h in job.handles:
+            self.metrics.e2e.observe(now - h.submitted)
+            if h.completion is not None:
+                self.metrics.cached_tokens.inc(h.completion.metrics.cached_tokens)
+        for reason in job.reasons.values():
+            self.metrics.requests.labels(reason or "unknown").inc()
+        u = usage(job)
+        self.metrics.prompt_tokens.inc(u["prompt_tokens"])
+        self.metrics.generation_tokens.inc(u["completion_tokens"])
+
+
+def _special_strings(tokenizer: Any) -> tuple[str, str]:
+    out = []
+    for name in ("bos_id", "eos_id"):
+        tid = getattr(tokenizer, name, None)
+        try:
+            out.append(str(tokenizer.decode([tid])) if tid is not None else "")
+        except Exception:  # noqa: BLE001
+            out.append("")
+    return out[0], out[1]
+
+
+async def _run(server: Server, job: Job, tokenizer: Any) -> AsyncIterator[dict[str, Any]]:
+    """The job's chunks as events arrive (records texts for the final body; metrics of first tokens and gaps)."""
+    last: dict[int, float] = {}
+    offsets: dict[int, int] = {}
+    try:
+        async for prompt, events in job.events():
+            now = time.perf_counter()
+            for ev in events:
+                index = job.record(prompt, ev)
+                if ev.token_ids:
+                    if index not in last:
+                        server.metrics.ttft.observe(now - job.handles[prompt].submitted)
+                    else:
+                        server.metrics.itl.observe((now - last[index]) / len(ev.token_ids))
+                    last[index] = now
+                body = chunk(job, tokenizer, index, ev, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(ev.text or "")
+                if body is not None:
+                    yield body
+        errors = [h.error for h in job.handles if h.error]
+        if errors:
+            raise APIError(500 if "engine step failed" in errors[0] else 400, errors[0], kind="server_error")
+        server.finish(job)
+    finally:
+        if any(not h.done for h in job.handles):
+            job.cancel()  # the client went away (or the stream broke): free its blocks
+
+
+async def _sse(server: Server, job: Job, tokenizer: Any, include_usage: bool) -> AsyncIterator[str]:
+    try:
+        async with contextlib.aclosing(_run(server, job, tokenizer)) as chunks:
+            async for body in chunks:
+                if include_usage:
+                    body["usage"] = None
+                yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        if include_usage:
+            yield f"data: {json.dumps(usage_chunk(job))}\n\n"
+    except APIError as exc:
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(server: Server, job: Job, tokenizer: Any, request: Any) -> dict[str, Any]:
+    """Run the job to its end; a client that disconnects meanwhile cancels it."""
+    stream = _run(server, job, tokenizer).__aiter__()
+    while True:
+        step = asyncio.ensure_future(stream.__anext__())
+        while not step.done():
+            await asyncio.wait({step}, timeout=0.25)
+            if not step.done() and await request.is_disconnected():
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+                await stream.aclose()
+                raise APIError(499, "client disconnected")
+        try:
+            step.result()
+        except StopAsyncIteration:
+            return full_response(job, tokenizer)
+
+
+async def _respond(server: Server, job: Job, stream: bool, include_usage: bool, request: Any) -> Any:
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    tokenizer = server.engine.tokenizer
+    if stream:
+        return StreamingResponse(_sse(server, job, tokenizer, include_usage), media_type="text/event-stream")
+    return JSONResponse(await _collect(server, job, tokenizer, request))
+
+
+async def _body(request: Any) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+
+
+def build_app(server: Server) -> Any:
+    """The FastAPI app over ``server`` (starts its engine loop at start-up, stops it at shutdown)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        server.core.start(asyncio.get_running_loop())
+        yield
+        await server.core.shutdown(server.grace_s)
+
+    app = FastAPI(title="lightning_llmopt", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Any:
+        if exc.status == 400:
+            server.metrics.rejected.labels("invalid").inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.get("/health")
+    async def health() -> Any:
+        state = server.core.state
+        body = {"status": "ok" if state == "ready" else state}
+        if server.core.load_error:
+            body["error"] = server.core.load_error
+        return JSONResponse(body, status_code=200 if state == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        server.authorize(request.headers.get("authorization"))
+        card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "lightning_llmopt"}
+        if server.core.engine is not None:
+            card["max_model_len"] = server.core.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        server.authorize(request.headers.get("authorization"))
+        req = parse_completion(await _body(request))
+        server.check_model(req.model)
+        engine = server.engine
+        prompts = [server.tokens(engine, p, req.params, "prompt") for p in req.prompts]
+        job = server.submit("completion", req.model, prompts, req.params, req.logprobs)
+        return await _respond(server, job, req.stream, req.include_usage, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        server.authorize(request.headers.get("authorization"))
+        engine = server.engine
+        req = parse_chat(await _body(request), 1)
+        server.check_model(req.model)
+        template = server.template(engine)
+        try:
+            text = template.render(req.messages)
+        except Exception as exc:  # noqa: BLE001 - the template refused the messages (roles, content)
+            raise APIError(400, f"chat template: {exc}", param="messages") from None
+        params = req.params
+        tokens = server.tokens(engine, text, params, "messages")
+        if not req.max_tokens_given:  # the answer may fill the context
+            params = dataclasses.replace(params, max_tokens=max(engine.max_model_len - len(tokens), 1))
+            tokens = server.tokens(engine, text, params, "messages")
+        job = server.submit("chat", req.model, [tokens], params, req.logprobs)
+        return await _respond(server, job, req.stream, req.include_usage, request)
+
+    return app

@@ -1,0 +1,224 @@
+"""One engine loop for every HTTP request: :class:`AsyncEngine`.
+
+The :class:`~lightning_llmopt.inference.LLMEngine` is not thread-safe, so exactly one thread touches it: the loop
+thread. It builds the engine (``/health`` says ``"loading"`` until then), then repeats: take the commands the HTTP
+handlers queued (add a request, cancel one), run one :meth:`LLMEngine.step`, and hand each request's events to its
+:class:`Handle` on the event loop (``call_soon_threadsafe``). Handlers only enqueue commands and read their handle.
+
+- A handle that is closed before its request finished (the client went away) cancels the request: its blocks go
+  back to the pool at the loop's next turn.
+- Back-pressure: past ``max_num_seqs + max_queue`` requests in flight, :meth:`AsyncEngine.submit` raises
+  :class:`QueueFull` (the server answers 503 with ``Retry-After``).
+- :meth:`AsyncEngine.shutdown` refuses new requests, lets those in flight finish for ``grace_s`` seconds, cancels
+  the rest (their streams end with ``finish_reason="abort"``) and stops the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_llmopt.inference.engine import LLMEngine
+from lightning_llmopt.inference.request import Completion, StreamEvent
+from lightning_llmopt.inference.sampling import SamplingParams
+
+__all__ = ["AsyncEngine", "Handle", "QueueFull"]
+
+
+class QueueFull(RuntimeError):
+    """More requests are in flight than the server accepts (``max_num_seqs + max_queue``)."""
+
+
+@dataclass
+class Handle:
+    """What a handler reads: ``events`` (lists of :class:`StreamEvent` s), then ``None`` once the request is done;
+    ``completion`` (with its metrics) is set by then; ``error`` if the engine failed it."""
+
+    request_id: str
+    n: int
+    queue: asyncio.Queue[list[StreamEvent] | None]
+    engine: AsyncEngine
+    submitted: float = field(default_factory=time.perf_counter)
+    completion: Completion | None = None
+    error: str | None = None
+    done: bool = False
+    finished: set[int] = field(default_factory=set)
+
+    def cancel(self) -> None:
+        """Cancel the request if it has not finished (the client went away)."""
+        if not self.done:
+            self.engine._command(("cancel", self.request_id))
+
+
+class AsyncEngine:
+    """The loop thread around an :class:`LLMEngine` (see the module docstring).
+
+    Arguments:
+        build: the engine, or a callable building it (run on the loop thread: ``/health`` is ``"loading"``).
+        max_queue: requests that may wait for a slot beyond the engine's ``max_num_seqs`` running ones
+            (``None``: no limit).
+        on_step: called on the loop thread after every step with ``(engine, events, seconds)`` (metrics).
+    """
+
+    def __init__(
+        self,
+        build: LLMEngine | Callable[[], LLMEngine],
+        max_queue: int | None = None,
+        on_step: Callable[[LLMEngine, list[StreamEvent], float], None] | None = None,
+    ) -> None:
+        if max_queue is not None and max_queue < 0:
+            raise ValueError(f"max_queue ({max_queue}) must be >= 0")
+        self._build = build
+        self.max_queue = max_queue
+        self.on_step = on_step
+        self.engine: LLMEngine | None = build if isinstance(build, LLMEngine) else None
+        self.state = "loading"
+        self.load_error: str | None = None
+        self._commands: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Event()
+        self._handles: dict[str, Handle] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ event-loop side
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the loop thread; events are delivered on ``loop``."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="llmopt-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._handles)
+
+    def capacity(self) -> int | None:
+        if self.max_queue is None or self.engine is None:
+            return None
+        return self.engine.config.max_num_seqs + self.max_queue
+
+    def submit(self, tokens: list[int], params: SamplingParams) -> Handle:
+        """Queue a validated request (token ids); raises :class:`QueueFull` past the limit."""
+        if self._stopping or self.engine is None or self._loop is None:
+            raise RuntimeError("the engine is not serving (loading or shutting down)")
+        cap = self.capacity()
+        if cap is not None and self.in_flight >= cap:
+            raise QueueFull(f"{self.in_flight} requests in flight (limit {cap})")
+        rid = f"cmpl-{next(self._ids)}"
+        handle = Handle(rid, params.n, asyncio.Queue(), self)
+        self._handles[rid] = handle
+        self._command(("add", (rid, tokens, params)))
+        return handle
+
+    def _command(self, cmd: tuple[str, Any]) -> None:
+        self._commands.append(cmd)
+        self._wake.set()
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Refuse new requests, let those in flight finish for ``grace_s`` seconds, cancel the rest, stop."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_s
+        while self._handles and time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
+            await asyncio.sleep(0.02)
+        for rid in list(self._handles):
+            self._command(("cancel", rid))
+        while self._handles and self._thread is not None and self._thread.is_alive():
+            await asyncio.sleep(0.01)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+
+    # ------------------------------------------------------------------ loop thread
+    def _deliver(self, handle: Handle, item: list[StreamEvent] | None) -> None:
+        assert self._loop is not None
+        if item is None:
+            handle.done = True
+            self._handles.pop(handle.request_id, None)
+        try:
+            self._loop.call_soon_threadsafe(handle.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody reads any more
+            pass
+
+    def _run(self) -> None:
+        if self.engine is None:
+            try:
+                assert not isinstance(self._build, LLMEngine)
+                self.engine = self._build()
+            except Exception as exc:  # noqa: BLE001 - reported by /health
+                self.state, self.load_error = "failed", f"{type(exc).__name__}: {exc}"
+                return
+        self.state = "ready"
+        engine = self.engine
+        while not self._stop:
+            self._drain(engine)
+            if not engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            start = time.perf_counter()
+            try:
+                events = engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+                self._fail_all(engine, f"engine step failed: {type(exc).__name__}: {exc}")
+                continue
+            if self.on_step is not None:
+                self.on_step(engine, events, time.perf_counter() - start)
+            self._dispatch(engine, events)
+        self.state = "stopped"
+
+    def _drain(self, engine: LLMEngine) -> None:
+        while self._commands:
+            kind, arg = self._commands.popleft()
+            if kind == "add":
+                rid, tokens, params = arg
+                handle = self._handles.get(rid)
+                if handle is None:
+                    continue
+                try:
+                    engine.add_request(tokens, params, request_id=rid)
+                except (ValueError, TypeError) as exc:
+                    handle.error = str(exc)
+                    self._deliver(handle, None)
+            elif kind == "cancel" and (handle := self._handles.get(arg)) is not None:
+                if engine.cancel(arg):
+                    handle.completion = engine.result(arg)
+                    events = [
+                        StreamEvent(arg, i, [], "", True, "abort") for i in range(handle.n) if i not in handle.finished
+                    ]
+                    self._deliver(handle, events)
+                elif engine.has_request(arg):  # finished meanwhile: collect it
+                    handle.completion = engine.result(arg)
+                self._deliver(handle, None)
+
+    def _dispatch(self, engine: LLMEngine, events: list[StreamEvent]) -> None:
+        by_request: dict[str, list[StreamEvent]] = {}
+        for ev in events:
+            by_request.setdefault(ev.request_id, []).append(ev)
+        for rid, evs in by_request.items():
+            handle = self._handles.get(rid)
+            if handle is None:
+                continue
+            handle.finished.update(ev.index for ev in evs if ev.finished)
+            done = len(handle.finished) == handle.n
+            if done:
+                handle.completion = engine.result(rid)
+            self._deliver(handle, evs)
+            if done:
+                self._deliver(handle, None)
+
+    def _fail_all(self, engine: LLMEngine, message: str) -> None:
+        for rid, handle in list(self._handles.items()):
+            engine.cancel(rid)
+            if engine.has_request(rid):
+                engine.result(rid)
+            handle.error = message
+            self._deliver(handle, None)

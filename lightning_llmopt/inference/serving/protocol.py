@@ -1,0 +1,220 @@
+"""The OpenAI request bodies we accept, turned into :class:`SamplingParams`; errors in OpenAI's shape.
+
+Every key of a body is either supported (:data:`COMPLETION_FIELDS`, :data:`CHAT_FIELDS`) or refused with a 400
+naming it: nothing is silently ignored. A key sent as ``null`` counts as absent. ``user`` is accepted as metadata
+(it changes nothing, as with OpenAI). Extensions beyond OpenAI's fields, as vLLM names them: ``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``; ``stop`` also takes token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_llmopt.inference.sampling_params import MAX_LOGPROBS, SamplingParams
+
+__all__ = ["APIError", "ChatRequest", "CompletionRequest", "parse_chat", "parse_completion"]
+
+_SAMPLING = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "user", "ignore_eos",
+}  # fmt: skip
+COMPLETION_FIELDS = frozenset(_SAMPLING | {"prompt", "logprobs"})
+CHAT_FIELDS = frozenset(_SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"})
+MAX_N = 16
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+@dataclass
+class CompletionRequest:
+    """A parsed ``/v1/completions`` body: the prompts (text or token ids), their parameters and the options."""
+
+    model: str
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+
+
+@dataclass
+class ChatRequest:
+    """A parsed ``/v1/chat/completions`` body."""
+
+    model: str
+    messages: list[dict[str, str]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top_logprobs when ``logprobs`` is true
+    max_tokens_given: bool
+
+
+def _check_keys(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    given = {k: v for k, v in body.items() if v is not None}
+    unknown = sorted(set(given) - allowed)
+    if unknown:
+        raise APIError(
+            400,
+            f"unsupported parameter(s): {', '.join(unknown)}; supported: {', '.join(sorted(allowed))}",
+            param=unknown[0],
+            code="unsupported_parameter",
+        )
+    if not isinstance(given.get("model"), str) or not given["model"]:
+        raise _bad("model", "a model name (string) is required")
+    return given
+
+
+def _typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any) -> Any:
+    value = body.get(key, default)
+    if value is default:
+        return value
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise _bad(key, f"expected {names}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise _bad("stream_options", "only allowed with stream: true")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise _bad("stream_options", "supported: {'include_usage': bool}")
+    return bool(_typed(opts, "include_usage", (bool,), False))
+
+
+def _stops(body: dict[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    stop = body.get("stop", [])
+    stop = [stop] if isinstance(stop, (str, int)) and not isinstance(stop, bool) else stop
+    if not isinstance(stop, list) or any(isinstance(s, bool) or not isinstance(s, (str, int)) for s in stop):
+        raise _bad("stop", "expected a string, a token id or a list of them")
+    ids = _typed(body, "stop_token_ids", (list,), [])
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise _bad("stop_token_ids", "expected a list of token ids")
+    strings = tuple(s for s in stop if isinstance(s, str))
+    return strings, tuple(t for t in stop if isinstance(t, int)) + tuple(ids)
+
+
+def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    num = (int, float)
+    stop, stop_ids = _stops(body)
+    if max_tokens is not None and not isinstance(max_tokens, bool) and isinstance(max_tokens, int) and max_tokens < 1:
+        raise _bad("max_tokens", f"must be >= 1, got {max_tokens}")
+    n = _typed(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_N:
+        raise _bad("n", f"must be in [1, {MAX_N}], got {n}")
+    temperature = _typed(body, "temperature", num, 1.0)
+    top_k = _typed(body, "top_k", (int,), None)
+    kwargs = dict(
+        max_tokens=max_tokens if max_tokens is not None else 16,
+        temperature=temperature,
+        top_k=None if top_k is None or top_k < 0 else top_k,  # -1: off, as in vLLM
+        top_p=_typed(body, "top_p", num, 1.0),
+        min_p=_typed(body, "min_p", num, 0.0),
+        seed=_typed(body, "seed", (int,), None),
+        n=n,
+        presence_penalty=_typed(body, "presence_penalty", num, 0.0),
+        frequency_penalty=_typed(body, "frequency_penalty", num, 0.0),
+        repetition_penalty=_typed(body, "repetition_penalty", num, 1.0),
+        ignore_eos=_typed(body, "ignore_eos", (bool,), False),
+        logprobs=logprobs,
+        stop=stop,
+        stop_token_ids=stop_ids,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except (TypeError, ValueError) as exc:
+        param = next((k for k in kwargs if str(exc).startswith(k)), None)
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
+
+
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise _bad("prompt", "expected a non-empty string, list of strings, token ids or list of token-id lists")
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body (raises :class:`APIError` naming the offending field)."""
+    body = _check_keys(body, COMPLETION_FIELDS)
+    logprobs = _typed(body, "logprobs", (int,), None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    max_tokens = _typed(body, "max_tokens", (int,), 16)
+    stream = _typed(body, "stream", (bool,), False)
+    return CompletionRequest(
+        body["model"], _prompts(body), _params(body, max_tokens, logprobs), stream, _stream_options(body, stream),
+        logprobs,
+    )  # fmt: skip
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "expected a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or set(m) - {"role", "content", "name"}:
+            raise _bad(f"messages[{i}]", "expected {role: str, content: str} (name optional)")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   for p in content):  # fmt: skip
+                raise _bad(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content", "expected a string or a list of text parts")
+        out.append({**{k: v for k, v in m.items() if k == "name"}, "role": m["role"], "content": content})
+    return out
+
+
+def parse_chat(body: Any, default_max_tokens: int) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body; without ``max_tokens`` the answer may fill the context (the
+    caller lowers ``default_max_tokens`` to the room the prompt leaves)."""
+    body = _check_keys(body, CHAT_FIELDS)
+    want = _typed(body, "logprobs", (bool,), False)
+    top = _typed(body, "top_logprobs", (int,), None)
+    if top is not None and not want:
+        raise _bad("top_logprobs", "needs logprobs: true")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise _bad("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+    logprobs = (top or 0) if want else None
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise _bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _typed(body, key, (int,), None)
+    stream = _typed(body, "stream", (bool,), False)
+    messages = _messages(body)
+    params = _params(body, max_tokens if max_tokens is not None else default_max_tokens, logprobs)
+    return ChatRequest(
+        body["model"], messages, params, stream, _stream_options(body, stream), logprobs, max_tokens is not None
+    )

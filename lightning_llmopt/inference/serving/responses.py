@@ -1,0 +1,154 @@
+"""OpenAI response bodies: whole completions, stream chunks, log-probabilities and usage.
+
+A :class:`Job` is one HTTP request: one engine request per prompt (``/v1/completions`` takes a list), each with
+``n`` choices; choice ``index`` is ``prompt * n + i`` as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_llmopt.inference.request import StreamEvent
+from lightning_llmopt.inference.sampling import TokenLogprobs
+from lightning_llmopt.inference.serving.async_engine import Handle
+
+__all__ = ["Job", "chunk", "format_logprobs", "full_response", "usage"]
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "cancelled": "abort"}
+
+
+@dataclass
+class Job:
+    """One HTTP request's engine requests and what was streamed of each choice."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    handles: list[Handle]
+    prompt_tokens: list[int]
+    n: int
+    logprobs: int | None
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    lps: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    reasons: dict[int, str | None] = field(default_factory=dict)
+    started: set[int] = field(default_factory=set)  # chat choices whose role chunk was sent
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[int, list[StreamEvent]]]:
+        """``(prompt index, events)`` as they come, from every handle; ends when all are done."""
+        merged: asyncio.Queue[tuple[int, list[StreamEvent] | None]] = asyncio.Queue()
+
+        async def pump(i: int, h: Handle) -> None:
+            while (item := await h.queue.get()) is not None:
+                merged.put_nowait((i, item))
+            merged.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(self.handles)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await merged.get()
+                if item is None:
+                    left -= 1
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def record(self, prompt: int, ev: StreamEvent) -> int:
+        """Remember an event's text, logprobs and finish reason; returns its choice index."""
+        index = prompt * self.n + ev.index
+        self.texts.setdefault(index, []).append(ev.text or "")
+        self.lps.setdefault(index, []).extend(ev.logprobs or [])
+        if ev.finished:
+            self.reasons[index] = _FINISH.get(ev.finish_reason or "", ev.finish_reason)
+        return index
+
+
+def usage(job: Job) -> dict[str, int]:
+    completion = sum(len(o.token_ids) for h in job.handles if h.completion is not None for o in h.completion.outputs)
+    prompt = sum(job.prompt_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _piece(tokenizer: Any, token: int) -> str:
+    try:
+        return str(tokenizer.decode([token])) if tokenizer is not None else str(token)
+    except Exception:  # noqa: BLE001 - an id the tokenizer does not know (padded vocabulary)
+        return ""
+
+
+def format_logprobs(kind: str, tokenizer: Any, lps: list[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` object of a choice: the legacy per-token lists for completions (``text_offset`` from
+    ``offset``), ``{"content": [...]}`` for chat."""
+    if kind == "chat":
+        content = []
+        for lp in lps:
+            tok = _piece(tokenizer, lp.token)
+            top = [{"token": (s := _piece(tokenizer, t)), "logprob": v, "bytes": list(s.encode())} for t, v in lp.top]
+            content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top})
+        return {"content": content}
+    tokens = [_piece(tokenizer, lp.token) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{_piece(tokenizer, t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chunk(job: Job, tokenizer: Any, index: int, ev: StreamEvent, offset: int) -> dict[str, Any] | None:
+    """The stream chunk of one event of choice ``index`` (``None`` when it carries nothing to send)."""
+    lps = (
+        format_logprobs(job.kind, tokenizer, ev.logprobs, offset) if job.logprobs is not None and ev.logprobs else None
+    )
+    reason = _FINISH.get(ev.finish_reason or "", ev.finish_reason) if ev.finished else None
+    if not ev.text and lps is None and not ev.finished and (job.kind != "chat" or index in job.started):
+        return None
+    if job.kind == "chat":
+        delta: dict[str, Any] = {} if ev.finished and not ev.text else {"content": ev.text or ""}
+        if index not in job.started:
+            job.started.add(index)
+            delta["role"] = "assistant"
+        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
+        return {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model,
+                "choices": [choice]}  # fmt: skip
+    choice = {"index": index, "text": ev.text or "", "logprobs": lps, "finish_reason": reason}
+    return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model, "choices": [choice]}
+
+
+def usage_chunk(job: Job) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": [],
+            "usage": usage(job)}  # fmt: skip
+
+
+def full_response(job: Job, tokenizer: Any) -> dict[str, Any]:
+    """The whole (non-streamed) response body."""
+    choices = []
+    for index in sorted(job.texts):
+        text = "".join(job.texts[index])
+        lps = format_logprobs(job.kind, tokenizer, job.lps[index]) if job.logprobs is not None else None
+        reason = job.reasons.get(index)
+        if job.kind == "chat":
+            message = {"role": "assistant", "content": text}
+            choices.append({"index": index, "message": message, "logprobs": lps, "finish_reason": reason})
+        else:
+            choices.append({"index": index, "text": text, "logprobs": lps, "finish_reason": reason})
+    obj = "chat.completion" if job.kind == "chat" else "text_completion"
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": choices,
+            "usage": usage(job)}  # fmt: skip

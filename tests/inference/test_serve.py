@@ -1,0 +1,270 @@
+"""``llmopt serve`` end to end: a real uvicorn server on 127.0.0.1 (a free port), driven by the official ``openai``
+client, against the offline :class:`LLMEngine` and the plain model. All traffic stays on 127.0.0.1; every wait is
+bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from lightning_llmopt.data.tokenizers import ByteTokenizer  # noqa: E402
+from lightning_llmopt.inference import LLMEngine, SamplingParams  # noqa: E402
+from lightning_llmopt.inference.serving import Server, build_app  # noqa: E402
+from lightning_llmopt.models import Llama, LlamaConfig  # noqa: E402
+
+KEY = "test-key"
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+
+
+@contextlib.contextmanager
+def running(server: Server, grace: float | None = None) -> Iterator[str]:
+    """Serve ``server`` with uvicorn in a thread on a free port of 127.0.0.1; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(build_app(server), log_level="warning", timeout_graceful_shutdown=grace)
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert uv.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the server did not shut down"
+
+
+def tiny_model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(LlamaConfig.from_preset("tiny", init_std=0.1)).eval()
+
+
+def offline(model: Llama, prompts: list, max_tokens: int) -> list:
+    engine = LLMEngine(model, ByteTokenizer(), num_blocks=512, block_size=8)
+    return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[SimpleNamespace]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine thread too: tiny models only lose to intra-op threads
+    model = tiny_model()
+    engine = LLMEngine(model, ByteTokenizer(), num_blocks=512, block_size=8, max_num_seqs=64)
+    server = Server(engine, "tiny", api_key=KEY, chat_template=TEMPLATE)
+    with running(server) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, http_client=httpx.Client(trust_env=False))
+        yield SimpleNamespace(url=url, engine=engine, model=model, server=server, client=client)
+    torch.set_num_threads(threads)
+
+
+def _greedy(**kw):
+    return dict(temperature=0, extra_body={"ignore_eos": True}, **kw)
+
+
+def test_completions_and_chat_streamed_and_not(served):
+    c, prompt = served.client, "Hello, world"
+    ref = offline(served.model, [prompt], 12)[0]
+    out = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, **_greedy())
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt.encode()), 12)
+    chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=12, stream=True, **_greedy()))
+    assert "".join(ch.choices[0].text for ch in chunks) == ref.text and chunks[-1].choices[0].finish_reason == "length"
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ü"}]
+    rendered = "<system>Be brief.\n<user>Hi ü\n<assistant>"
+    ref = offline(served.model, [rendered], 10)[0]
+    chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, **_greedy())
+    assert chat.choices[0].message.content == ref.text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(rendered.encode())
+    stream = c.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, stream=True, stream_options={"include_usage": True}, **_greedy()
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 10
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.text
+
+
+def test_parallel_samples_seeds_logprobs_and_stops(served):
+    c = served.client
+    kw = dict(model="tiny", prompt="abc", max_tokens=8, temperature=1.0, top_p=0.95, n=3, seed=7)
+    first = c.completions.create(**kw)
+    assert sorted(ch.index for ch in first.choices) == [0, 1, 2] and first.usage.completion_tokens <= 24
+    again = c.completions.create(**kw)
+    assert [ch.text for ch in again.choices] == [ch.text for ch in first.choices]
+    other = c.completions.create(**{**kw, "seed": 8})
+    assert [ch.text for ch in other.choices] != [ch.text for ch in first.choices]
+
+    # logprobs: the greedy token's is the top of the model's own log-softmax over the prompt
+    rendered = "<user>x\n<assistant>"
+    with torch.no_grad():
+        ref = torch.log_softmax(served.model(torch.tensor([list(rendered.encode())]))[0, -1].double(), -1)
+    chat = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, logprobs=True, top_logprobs=3,
+        **_greedy(),
+    )  # fmt: skip
+    first_lp = chat.choices[0].logprobs.content[0]
+    top3 = ref.topk(3).values.tolist()
+    assert abs(first_lp.logprob - top3[0]) < 1e-4  # fp32 paged forward vs the plain forward of a tiny model
+    assert [round(t.logprob, 4) for t in first_lp.top_logprobs] == [round(v, 4) for v in top3]
+    out = c.completions.create(model="tiny", prompt="abc", max_tokens=6, logprobs=2, **_greedy())
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6 and all(v <= 0 for v in lp.token_logprobs) and lp.text_offset[0] == 0
+
+    full = offline(served.model, ["The stop"], 40)[0]
+    start = next(i for i in range(2, len(full.text) - 2) if "\ufffd" not in full.text[i : i + 2])
+    stop = full.text[start : start + 2]
+    for stream in (False, True):
+        res = c.completions.create(model="tiny", prompt="The stop", max_tokens=40, stop=[stop], stream=stream,
+                                   **_greedy())  # fmt: skip
+        chunks = list(res) if stream else [res]
+        assert "".join(ch.choices[0].text for ch in chunks) == full.text[: full.text.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    tid = full.token_ids[5]
+    res = c.completions.create(model="tiny", prompt="The stop", max_tokens=40, temperature=0,
+                               extra_body={"ignore_eos": True, "stop_token_ids": [tid]})  # fmt: skip
+    assert res.usage.completion_tokens == full.token_ids.index(tid) and res.choices[0].finish_reason == "stop"
+
+
+async def _clients(url: str, prompts: list[list[int]], leave: set[int]) -> list:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, http_client=httpx.AsyncClient(trust_env=False))
+
+    async def one(i: int) -> tuple[str, int] | None:
+        stream = await client.completions.create(
+            model="tiny", prompt=prompts[i], max_tokens=200 if i in leave else 16, stream=True,
+            stream_options={"include_usage": True}, **_greedy(),
+        )  # fmt: skip
+        text, used = [], -1
+        async for ch in stream:
+            if i in leave:  # disconnect after the first chunk
+                await stream.close()
+                return None
+            text += [c.text for c in ch.choices]
+            used = ch.usage.completion_tokens if ch.usage else used
+        return "".join(text), used
+
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))), 120)
+    finally:
+        await client.close()
+
+
+def test_concurrent_streams_with_disconnects(served):
+    engine = served.engine
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (50,), generator=g)]
+    leave = set(range(0, 50, 5))  # 20% disconnect mid-stream
+    cancelled = engine.stats.cancelled
+    results = asyncio.run(_clients(served.url, prompts, leave))
+    deadline = time.monotonic() + 20
+    while (served.server.core.in_flight or engine.has_unfinished()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert served.server.core.in_flight == 0 and not engine.has_unfinished()
+    assert engine.stats.cancelled - cancelled == len(leave)  # 200 tokens each: all still running when they left
+    assert engine.blocks.num_available() == engine.blocks.allocator.capacity  # free, or evictable prefix entries
+    kept = [i for i in range(50) if i not in leave]
+    refs = offline(served.model, [prompts[i] for i in kept], 16)
+    assert [results[i] for i in kept] == [(r.text, len(r.token_ids)) for r in refs]
+
+
+def _error(exc_info) -> dict:
+    return exc_info.value.body
+
+
+def test_bad_requests(served):
+    c = served.client
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert _error(e)["code"] == "model_not_found" and _error(e)["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert _error(e)["param"] == "max_tokens" and _error(e)["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x" * 300, max_tokens=4)
+    assert _error(e)["code"] == "context_length_exceeded" and "max_model_len" in _error(e)["message"]
+    for field, value in (("echo", True), ("logit_bias", {"1": 5}), ("suffix", "z")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={field: value})
+        assert _error(e)["param"] == field and _error(e)["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, n=2, temperature=0)
+    assert _error(e)["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    assert _error(e)["param"] == "messages[0].content"
+    bad = openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", http_client=httpx.Client(trust_env=False))
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert _error(e)["code"] == "invalid_api_key"
+    with httpx.Client(trust_env=False) as h:
+        r = h.post(f"{served.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert h.get(f"{served.url}/health").json() == {"status": "ok"}
+    assert [m.id for m in c.models.list()] == ["tiny"]
+
+
+def test_metrics_parse(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    served.client.completions.create(model="tiny", prompt="m", max_tokens=3, stream=True, **_greedy()).close()
+    served.client.completions.create(model="tiny", prompt="m", max_tokens=3, **_greedy())
+    with httpx.Client(trust_env=False) as h:
+        text = h.get(f"{served.url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    names = ["llmopt_requests", "llmopt_generation_tokens", "llmopt_time_to_first_token_seconds"]
+    names += ["llmopt_inter_token_latency_seconds", "llmopt_kv_blocks_free", "llmopt_requests_rejected"]
+    for name in names:
+        assert name in families, sorted(families)
+    samples = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
+    assert samples["llmopt_generation_tokens_total"] >= 3 and samples["llmopt_engine_ready"] == 1
+    assert samples["llmopt_kv_blocks_total"] == served.engine.blocks.allocator.capacity
+
+
+def test_loading_back_pressure_and_shutdown():
+    model, go = tiny_model(), threading.Event()
+    box = {}
+
+    def build() -> LLMEngine:
+        assert go.wait(30)
+        box["engine"] = LLMEngine(model, ByteTokenizer(), num_blocks=64, block_size=8, max_num_seqs=1)
+        return box["engine"]
+
+    server = Server(build, "tiny", max_queue=0, grace_s=0.2)
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(trust_env=False, timeout=30) as h, contextlib.ExitStack() as streams:
+        with running(server, grace=1) as url:
+            assert h.get(f"{url}/health").json()["status"] == "loading"
+            r = h.post(f"{url}/v1/completions", json=body)
+            assert r.status_code == 503 and "Retry-After" in r.headers
+            go.set()
+            deadline = time.monotonic() + 30
+            while h.get(f"{url}/health").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+            r = h.post(f"{url}/v1/chat/completions", json=chat)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
+            first = streams.enter_context(h.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}))
+            assert next(first.iter_lines()).startswith("data: ")  # the first request is running
+            r = h.post(f"{url}/v1/completions", json=body)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "overloaded"
+        # the server shut down with the stream still open: the request finished or was cancelled, blocks freed
+        engine = box["engine"]
+        assert server.core.state == "stopped" and not engine.has_unfinished()
+        assert engine.blocks.num_available() == engine.blocks.allocator.capacity
