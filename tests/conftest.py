@@ -28,6 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_unavailable(items)
+    # ``run_last`` tests look at what the whole session left behind (the pool workers' threads): move them to the end
+    items.sort(key=lambda item: item.get_closest_marker("run_last") is not None)  # stable: order kept otherwise
 
 
 @pytest.fixture(scope="session")

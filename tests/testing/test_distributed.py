@@ -203,3 +203,49 @@ def test_second_copy_of_a_helper_file_travels_by_path(dist_pool, tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))  # the name is importable in a fresh process too
     assert copies[1].value is not copies[0].value
     assert dist_pool(2).run(copies[1].value, 1) == [2, 2]
+
+
+def _thread_names() -> dict[str, int]:
+    names: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            name = f.read().strip()
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
+def _make_groups_and_meshes() -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    dist.all_reduce(t, group=mesh.get_group("tp"))
+    return t.item()  # world_size, then times the tp size (2)
+
+
+# A worker's own threads: the main thread, torch's (num_threads=1: none more) and the default gloo group's two
+# ``pt_gloo_runloop`` + one ``gloo_tcp_loop``; every other live group adds three. 16 leaves room for a few
+# library threads while failing long before the 650-830 threads that leaked groups had piled up to.
+_MAX_WORKER_THREADS = 16
+
+
+@pytest.mark.run_last
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+def test_pool_workers_keep_a_bounded_thread_count(dist_pool) -> None:
+    """At the end of the session every started pool's workers hold few threads, and tasks that make process groups
+    and device meshes leave none behind (they are destroyed after each task)."""
+    from lightning_llmopt.testing import distributed
+
+    pools = [pool for pool in distributed._POOLS.values() if pool.started] or [dist_pool(2)]
+    for pool in pools:
+        before = pool.run(_thread_names)
+        for _ in range(3):
+            assert pool.run(_make_groups_and_meshes) == [2.0 * pool.world_size] * pool.world_size
+        after = pool.run(_thread_names)
+        for rank, (old, new) in enumerate(zip(before, after, strict=True)):
+            total = sum(new.values())
+            assert total <= _MAX_WORKER_THREADS, f"world {pool.world_size} rank {rank}: {total} threads {new}"
+            assert new.get("pt_gloo_runloop", 0) <= old.get("pt_gloo_runloop", 0), (old, new)
