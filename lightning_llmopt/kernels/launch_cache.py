@@ -17,6 +17,7 @@ signature replaces the cached kernel. ``LLMOPT_TRITON_LAUNCH_CACHE=0`` turns the
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -50,6 +51,18 @@ def arg_signature(args: tuple) -> tuple | None:
         else:
             return None
     return tuple(sig)
+
+
+# Triton release lines (major.minor) on which the cached launch, which calls Triton's private launcher, was run on a
+# GPU against the JIT path (tests/kernels/test_launch_cache.py). Other versions launch through the JIT function.
+LAUNCHER_TESTED = ("3.6",)
+
+
+@functools.cache
+def _launcher_tested() -> bool:
+    import triton
+
+    return ".".join(triton.__version__.split(".")[:2]) in LAUNCHER_TESTED
 
 
 def _current_device() -> int:
@@ -91,7 +104,13 @@ class LaunchCache:
 
     @staticmethod
     def enabled() -> bool:
-        return os.environ.get("LLMOPT_TRITON_LAUNCH_CACHE", "1") != "0"
+        """On by default only with the Triton release line whose private launcher call (``CompiledKernel.run``'s
+        argument list) was run on a GPU (:data:`LAUNCHER_TESTED`); ``LLMOPT_TRITON_LAUNCH_CACHE=1`` forces it on,
+        ``0`` off."""
+        setting = os.environ.get("LLMOPT_TRITON_LAUNCH_CACHE")
+        if setting is not None:
+            return setting != "0"
+        return _launcher_tested()
 
     def launch(self, fn: Any, key: tuple, grid: tuple, args: tuple, constexprs: dict[str, Any],
                options: dict[str, Any]) -> None:

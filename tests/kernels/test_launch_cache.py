@@ -82,6 +82,7 @@ def test_cache_launches_the_compiled_kernel_until_the_signature_changes(monkeypa
     monkeypatch.setattr(launch_cache, "_current_device", lambda: 0)
     monkeypatch.setattr(launch_cache, "_current_stream", lambda device: "stream")
     monkeypatch.delenv("LLMOPT_TRITON_LAUNCH_CACHE", raising=False)
+    monkeypatch.setattr(launch_cache, "_launcher_tested", lambda: True)
     fn, cache = _FakeJit(), LaunchCache()
     x = torch.zeros(64, dtype=torch.float16)
     consts = {"HEAD_D": 64, "BLOCK": 128}
@@ -105,8 +106,28 @@ def test_cache_launches_the_compiled_kernel_until_the_signature_changes(monkeypa
     assert fn.calls[-1][0] == "jit"  # turned off
 
 
+@pytest.mark.parametrize("version, default_on", [("3.6.0", True), ("3.6.1", True), ("3.8.0", False), ("3.9.0", False)])
+def test_cache_is_on_by_default_only_on_the_triton_line_it_ran_with(monkeypatch, version, default_on) -> None:
+    """The cached launch calls Triton's private launcher, whose argument list changes between releases: by default
+    it runs on the release lines it was run with on a GPU; the environment variable forces either way."""
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+    launch_cache._launcher_tested.cache_clear()
+    monkeypatch.delenv("LLMOPT_TRITON_LAUNCH_CACHE", raising=False)
+    try:
+        assert LaunchCache.enabled() is default_on
+        monkeypatch.setenv("LLMOPT_TRITON_LAUNCH_CACHE", "1")
+        assert LaunchCache.enabled()
+        monkeypatch.setenv("LLMOPT_TRITON_LAUNCH_CACHE", "0")
+        assert not LaunchCache.enabled()
+    finally:
+        launch_cache._launcher_tested.cache_clear()
+
+
 def test_cache_keeps_nothing_when_a_parameter_is_left_to_its_default(monkeypatch) -> None:
     monkeypatch.setattr(launch_cache, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch_cache, "_launcher_tested", lambda: True)
     fn, cache = _FakeJit(), LaunchCache()
     x = torch.zeros(64, dtype=torch.float16)
     for _ in range(2):
