@@ -34,9 +34,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from lightning_llmopt.cli.progress import Progress
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
-from lightning_llmopt.models.hf_files import CONFIG_NAME, SAFETENSORS_INDEX, SAFETENSORS_NAME, parse_size
+from lightning_llmopt.models.hf_files import (
+    CONFIG_NAME,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_NAME,
+    parse_size,
+    write_tokenizer_files,
+)
 from lightning_llmopt.models.hf_weights import expected_shapes, key_map
 from lightning_llmopt.parallel.checkpoint import (
     MARKER,
@@ -45,7 +52,7 @@ from lightning_llmopt.parallel.checkpoint import (
     verify_checkpoint,
 )
 
-__all__ = ["consolidate", "main", "resolve_checkpoint"]
+__all__ = ["checkpoint_tokenizer", "consolidate", "lightning_entry", "main", "resolve_checkpoint"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 Path_ = tuple[str, ...]
@@ -110,8 +117,11 @@ def _get(tree: dict[str, Any], path: Path_) -> Any:
 def config_from_checkpoint(folder: Path, metadata: Metadata, marker: dict[str, Any]) -> LlamaConfig | None:
     """The :class:`LlamaConfig` saved with the checkpoint (state entry ``"config"`` or ``marker["config"]``)."""
     paths: dict[str, Any] = metadata.planner_data or {}
-    entries = {tuple(str(p) for p in paths.get(k, (k,))): None for k, m in metadata.state_dict_metadata.items()
-               if isinstance(m, BytesStorageMetadata)}
+    entries = {
+        tuple(str(p) for p in paths.get(k, (k,))): None
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, BytesStorageMetadata)
+    }
     entries = {p: v for p, v in entries.items() if p[0] == "config"}
     if entries:
         state = _nested(entries)
@@ -121,6 +131,36 @@ def config_from_checkpoint(folder: Path, metadata: Metadata, marker: dict[str, A
     if isinstance(marker.get("config"), dict):
         return LlamaConfig.from_dict(dict(marker["config"]))
     return None
+
+
+def lightning_entry(folder: Path, metadata: Metadata, key: str) -> Any:
+    """An entry of the Lightning checkpoint dict that :class:`~lightning_llmopt.strategies.ZeroStrategy` saves beside
+    the shards (``state["lightning"][key]``, e.g. ``"llmopt_tokenizer"``), or ``None`` when absent."""
+    import io
+
+    paths: dict[str, Any] = metadata.planner_data or {}
+    for k, m in metadata.state_dict_metadata.items():
+        path = tuple(str(p) for p in paths.get(k, (k,)))
+        if path == ("lightning", key) and isinstance(m, BytesStorageMetadata):
+            state = _nested({path: None})
+            _load(state, folder)
+            value = state["lightning"][key]
+            if isinstance(value, (bytes, bytearray)):  # torch.save'd by the strategy
+                value = torch.load(io.BytesIO(value), weights_only=False)
+            return value
+    return None
+
+
+def checkpoint_tokenizer(folder: Path, metadata: Metadata) -> Any:
+    """The tokenizer a sharded checkpoint remembers (see :func:`lightning_llmopt.inference.loading.load_model`)."""
+    from lightning_llmopt.inference.loading import _checkpoint_tokenizer
+
+    entries = {}
+    for key in ("llmopt_tokenizer", "datamodule_hyper_parameters"):
+        value = lightning_entry(folder, metadata, key)
+        if value is not None:
+            entries[key] = value
+    return _checkpoint_tokenizer(entries, folder / "x") if entries else None
 
 
 def _plan(names: list[str], nbytes: dict[str, int], max_bytes: int) -> list[list[str]]:
@@ -136,12 +176,15 @@ def _plan(names: list[str], nbytes: dict[str, int], max_bytes: int) -> list[list
     return shards
 
 
-def _check_shapes(found: dict[str, Path_], metadata: Metadata, config: LlamaConfig, flat_of: dict[Path_, str],
-                  required: list[str]) -> None:
+def _check_shapes(
+    found: dict[str, Path_], metadata: Metadata, config: LlamaConfig, flat_of: dict[Path_, str], required: list[str]
+) -> None:
     missing = [n for n in required if n not in found]
     if missing:
-        raise KeyError(f"checkpoint lacks {len(missing)} model tensor(s) of the config, e.g. {missing[:5]}; "
-                       f"saved tensors include {sorted(metadata.state_dict_metadata)[:5]}")
+        raise KeyError(
+            f"checkpoint lacks {len(missing)} model tensor(s) of the config, e.g. {missing[:5]}; "
+            f"saved tensors include {sorted(metadata.state_dict_metadata)[:5]}"
+        )
     shapes = expected_shapes(config)
     bad = []
     for name in required:
@@ -153,9 +196,16 @@ def _check_shapes(found: dict[str, Path_], metadata: Metadata, config: LlamaConf
         raise ValueError(f"{len(bad)} checkpoint tensor(s) do not match the config: " + "; ".join(bad[:5]))
 
 
-def consolidate(checkpoint: str | Path, out_dir: str | Path, *, arch: str | None = None,
-                dtype: torch.dtype | None = None, max_shard_size: int | str = "2GB",
-                config: LlamaConfig | None = None) -> list[Path]:
+def consolidate(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    arch: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "2GB",
+    config: LlamaConfig | None = None,
+    tokenizer: Any = None,
+) -> list[Path]:
     """Write the model of a sharded DCP checkpoint as a Hugging Face safetensors folder, one shard at a time.
 
     Arguments:
@@ -167,6 +217,8 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path, *, arch: str | None
         max_shard_size: bytes per safetensors file (int or e.g. ``"2GB"``); at most this many bytes (of the
             saved dtype, or of ``dtype`` if larger) are loaded at once, or one tensor if it is larger.
         config: the model config; default: the one saved with the checkpoint.
+        tokenizer: written beside the weights with a ``generation_config.json``; default: the tokenizer the
+            checkpoint remembers (``CausalLMModule`` records its data module's), if any.
 
     Returns: the weight files written. Raises ``IncompleteCheckpointError`` for an incomplete checkpoint.
     """
@@ -178,16 +230,19 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path, *, arch: str | None
     if config is None:
         config = config_from_checkpoint(folder, metadata, marker)
     if config is None:
-        raise ValueError(f"checkpoint {folder} stores no model config (no 'config' state entry or marker field); "
-                         "pass --preset NAME or --config-json PATH")
+        raise ValueError(
+            f"checkpoint {folder} stores no model config (no 'config' state entry or marker field); "
+            "pass --preset NAME or --config-json PATH"
+        )
     if arch is None:
         arch = "qwen2" if config.qkv_bias else "mistral" if config.sliding_window is not None else "llama"
     config_to_hf(config, arch)  # checks arch against the config before anything is read
     hf_names = key_map(config)
     required = [n for n in hf_names if not (config.tie_embeddings and n == "output.weight")]
     found = _model_keys(metadata, set(hf_names))
-    flat_of = {tuple(str(p) for p in (metadata.planner_data or {}).get(k, (k,))): k
-               for k in metadata.state_dict_metadata}
+    flat_of = {
+        tuple(str(p) for p in (metadata.planner_data or {}).get(k, (k,))): k for k in metadata.state_dict_metadata
+    }
     _check_shapes(found, metadata, config, flat_of, required)
     metas: dict[str, TensorStorageMetadata] = {}
     for n in required:
@@ -195,16 +250,29 @@ def consolidate(checkpoint: str | Path, out_dir: str | Path, *, arch: str | None
         assert isinstance(meta, TensorStorageMetadata)
         metas[n] = meta
     # Planned in the larger of the saved and written dtypes: neither the load nor the file exceeds max_bytes.
-    nbytes = {n: m.size.numel() * max(m.properties.dtype.itemsize, (dtype or m.properties.dtype).itemsize)
-              for n, m in metas.items()}
+    nbytes = {
+        n: m.size.numel() * max(m.properties.dtype.itemsize, (dtype or m.properties.dtype).itemsize)
+        for n, m in metas.items()
+    }
     shards = _plan(required, nbytes, max_bytes)
     hf_config = config_to_hf(config, arch, dtype=dtype or metas[required[0]].properties.dtype)
-    return _write(folder, Path(out_dir), shards, metas, found, hf_names, dtype, hf_config)
+    written = _write(folder, Path(out_dir), shards, metas, found, hf_names, dtype, hf_config)
+    if tokenizer is None:
+        tokenizer = checkpoint_tokenizer(folder, metadata)
+    write_tokenizer_files(Path(out_dir), tokenizer)
+    return written
 
 
-def _write(folder: Path, out: Path, shards: list[list[str]], metas: dict[str, TensorStorageMetadata],
-           found: dict[str, Path_], hf_names: dict[str, str], dtype: torch.dtype | None,
-           hf_config: dict[str, Any]) -> list[Path]:
+def _write(
+    folder: Path,
+    out: Path,
+    shards: list[list[str]],
+    metas: dict[str, TensorStorageMetadata],
+    found: dict[str, Path_],
+    hf_names: dict[str, str],
+    dtype: torch.dtype | None,
+    hf_config: dict[str, Any],
+) -> list[Path]:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -213,10 +281,10 @@ def _write(folder: Path, out: Path, shards: list[list[str]], metas: dict[str, Te
     written: list[Path] = []
     weight_map: dict[str, str] = {}
     total = 0
+    bar = Progress("consolidate", sum(len(names) for names in shards), "tensors")
     for k, names in enumerate(shards, start=1):
         file = SAFETENSORS_NAME if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        state = _nested({found[n]: torch.empty(tuple(metas[n].size), dtype=metas[n].properties.dtype)
-                         for n in names})
+        state = _nested({found[n]: torch.empty(tuple(metas[n].size), dtype=metas[n].properties.dtype) for n in names})
         _load(state, folder)
         tensors = {}
         for n in names:
@@ -227,6 +295,8 @@ def _write(folder: Path, out: Path, shards: list[list[str]], metas: dict[str, Te
         del state, tensors  # this shard's tensors are gone before the next is read
         weight_map.update({hf_names[n]: file for n in names})
         written.append(out / file)
+        bar.update(len(names), file)
+    bar.close()
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -251,27 +321,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmopt consolidate",
         description="Write a sharded DCP checkpoint's model as one Hugging Face safetensors checkpoint, "
-                    "one output shard in memory at a time.")
+        "one output shard in memory at a time.",
+    )
     parser.add_argument("checkpoint", help="a step-N checkpoint folder, or a root (the newest complete one is used)")
     parser.add_argument("out_dir", help="output folder")
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=None,
-                        help="model_type to write (default: from the config: qwen2 with q/k/v bias, mistral with a "
-                             "sliding window, else llama)")
+    parser.add_argument(
+        "--arch",
+        choices=sorted(ARCHITECTURES),
+        default=None,
+        help="model_type to write (default: from the config: qwen2 with q/k/v bias, mistral with a "
+        "sliding window, else llama)",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as saved)")
     parser.add_argument("--max-shard-size", default="2GB", help="bytes per safetensors file, e.g. 2GB, 500MiB")
     parser.add_argument("--preset", default=None, help="LlamaConfig preset when the checkpoint stores no config")
-    parser.add_argument("--config-json", default=None,
-                        help="JSON of LlamaConfig fields (or a Hugging Face config.json) for the model")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="'byte' or a tokenizer folder/tokenizer.json to write beside the weights (default: the "
+        "one the checkpoint remembers)",
+    )
+    parser.add_argument(
+        "--config-json", default=None, help="JSON of LlamaConfig fields (or a Hugging Face config.json) for the model"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     """Entry point of ``llmopt consolidate``; returns the weight files written."""
+    from lightning_llmopt.data.tokenizers import load_tokenizer
+
     args = build_parser().parse_args(argv)
-    written = consolidate(args.checkpoint, args.out_dir, arch=args.arch,
-                          dtype=DTYPES[args.dtype] if args.dtype else None, max_shard_size=args.max_shard_size,
-                          config=_config_from_args(args))
-    print(f"wrote {len(written)} safetensors file(s) and {CONFIG_NAME} to {args.out_dir}", flush=True)
+    written = consolidate(
+        args.checkpoint,
+        args.out_dir,
+        arch=args.arch,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        max_shard_size=args.max_shard_size,
+        config=_config_from_args(args),
+        tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer is not None else None,
+    )
+    extras = sorted(p.name for p in Path(args.out_dir).iterdir() if p.suffix == ".json" and p.name != CONFIG_NAME)
+    print(
+        f"wrote {len(written)} safetensors file(s), {CONFIG_NAME} and {extras or 'no tokenizer files'} to "
+        f"{args.out_dir}",
+        flush=True,
+    )
     return written
 
 

@@ -6,9 +6,18 @@
     llmopt generate --preset tiny --tokens 1,2,3            # a randomly initialised model (smoke tests)
 
 The model comes from our checkpoint folder (``step-N`` or its root), a Lightning ``.ckpt`` or a Hugging Face folder
-(see :func:`lightning_llmopt.inference.load_model`). Text prompts need a tokenizer: the folder's ``tokenizer.json``,
-or ``--tokenizer`` (``byte`` or a path). The run ends with one line of engine figures: prefix-cache hits, time to
-first token and throughput.
+(see :func:`lightning_llmopt.inference.load_model`), quantized folders included. Text prompts need a tokenizer: the
+folder's tokenizer files, the one a ``.ckpt`` remembers from training, or ``--tokenizer`` (``byte`` or a path). Text
+prompts are encoded as transformers would (the folder's BOS added), and generation stops at every stop id of the
+tokenizer (``generation_config.json``'s ``eos_token_id`` too) unless ``--ignore-eos``. Each prompt and completion is
+labelled::
+
+    === prompt 0 ===
+    def fib(n):
+    --- completion 0.0 (length, 64 tokens) ---
+        return ...
+
+The run ends with one line of engine figures (stderr): prefix-cache hits, time to first token and throughput.
 """
 
 from __future__ import annotations
@@ -84,6 +93,12 @@ def _load_engine(args: argparse.Namespace) -> Any:
         model, tokenizer = load_model(args.model, dtype=dtype, device=device, trust_pickle=args.trust_pickle)
     if args.tokenizer is not None:
         tokenizer = load_tokenizer(args.tokenizer)
+    if tokenizer is None and (args.prompt or args.prompt_file):
+        where = f"{args.model} names none" if args.model else "--preset has none"
+        raise SystemExit(
+            f"text prompts need a tokenizer and {where}: pass --tokenizer byte|PATH (a tokenizer.json or its folder), "
+            "or prompts as token ids with --tokens 1,2,3"
+        )
     kw: dict[str, Any] = dict(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
@@ -116,30 +131,52 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
     return prompts
 
 
+def _encode(engine: Any, prompts: list[Any]) -> list[Any]:
+    """Text prompts as ids with the tokenizer's special tokens (BOS where transformers adds one)."""
+    tok = engine.tokenizer
+    return [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
+
+
+def _show(i: int, prompt: Any, completion: Any) -> None:
+    """Print prompt ``i`` and its completions, each labelled."""
+    shown = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+    print(f"=== prompt {i} ===\n{shown}")
+    for o in completion.outputs:
+        body = o.text if o.text is not None else " ".join(map(str, o.token_ids))
+        print(f"--- completion {i}.{o.index} ({o.finish_reason}, {len(o.token_ids)} tokens) ---")
+        print(body)
+    print()
+
+
 def main(argv: Sequence[str] | None = None) -> list[Any]:
     """Entry point of ``llmopt generate``; returns the completions (or stream events with ``--stream``)."""
     from lightning_llmopt.inference import SamplingParams
 
     args = build_parser().parse_args(argv)
     prompts = _prompts(args)
+    values: dict[str, Any] = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_token_ids=tuple(args.stop_token_id),
+        ignore_eos=args.ignore_eos,
+        n=args.n,
+    )
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop_token_ids=tuple(args.stop_token_id),
-            ignore_eos=args.ignore_eos,
-            n=args.n,
-        )
+        params = SamplingParams(**values)  # checked before the model is loaded
     except ValueError as exc:
         raise SystemExit(f"invalid sampling parameters: {exc}") from None
     engine = _load_engine(args)
+    if engine.tokenizer is not None and not args.ignore_eos:  # every stop id of the tokenizer, not only eos_id
+        stops = [*args.stop_token_id, *getattr(engine.tokenizer, "stop_ids", ())]
+        params = SamplingParams(**{**values, "stop_token_ids": tuple(dict.fromkeys(int(i) for i in stops))})
+    encoded = _encode(engine, prompts) if engine.tokenizer is not None else prompts
     results: list[Any] = []
     try:
         if args.stream:
-            for event in engine.stream(prompts, params, truncate=args.truncate):
+            for event in engine.stream(encoded, params, truncate=args.truncate):
                 results.append(event)
                 piece = event.text if event.text is not None else " ".join(map(str, event.token_ids))
                 sys.stdout.write(piece if event.text is not None else (piece + " " if piece else ""))
@@ -147,8 +184,8 @@ def main(argv: Sequence[str] | None = None) -> list[Any]:
                     sys.stdout.write(f"\n[{event.request_id}.{event.index} {event.finish_reason}]\n")
                 sys.stdout.flush()
         else:
-            results = engine.generate(prompts, params, truncate=args.truncate)
-            for c in results:
+            results = engine.generate(encoded, params, truncate=args.truncate)
+            for i, (prompt, c) in enumerate(zip(prompts, results, strict=True)):
                 for o in c.outputs:
                     if args.json:
                         print(
@@ -163,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> list[Any]:
                                 }
                             )
                         )
-                    else:
-                        print(o.text if o.text is not None else " ".join(map(str, o.token_ids)))
+                if not args.json:
+                    _show(i, prompt, c)
     except ValueError as exc:
         raise SystemExit(f"rejected: {exc}") from None
     s = engine.stats.summary()

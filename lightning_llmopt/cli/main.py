@@ -7,6 +7,11 @@
     llmopt export quantized/ out/ --format compressed-tensors|gptq
     llmopt generate runs/ckpts --prompt "def fib(n):" --max-tokens 64
     llmopt pipeline-plan --pp 4 --microbatches 8 --schedule interleaved_1f1b --virtual-stages 2
+    llmopt --help                                                    # every subcommand
+
+Bad input (an unknown preset or strategy, a missing path, a negative learning rate) ends with one line naming the
+value, ``llmopt <command>: error: ...``; ``--debug`` (anywhere on the line) or ``LLMOPT_DEBUG=1`` shows the
+traceback instead. Training shows Lightning's progress bar on a terminal and a line every 10 s otherwise.
 
 Unless the configuration names loggers, the run logs to CSV and to Weights & Biases, offline when no API key is
 configured (``WANDB_API_KEY`` or a netrc entry), online otherwise; ``--wandb false`` turns W&B off.
@@ -72,6 +77,15 @@ class LLMOptCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_cfg = self._get(self.config_init, "trainer", default={})
+        if trainer_cfg.get("enable_progress_bar") in (None, True) and not sys.stderr.isatty():
+            from lightning.pytorch.callbacks import ProgressBar
+
+            from lightning_llmopt.cli.progress import line_progress_bar
+
+            configured = trainer_cfg.get("callbacks") or []
+            if not any(isinstance(c, ProgressBar) for c in configured):  # logs and pipes: lines, not tqdm redraws
+                # replaces the trainer's "callbacks" entry: keep the configured ones
+                kwargs["callbacks"] = [*configured, *kwargs.get("callbacks", []), line_progress_bar()]
         if trainer_cfg.get("logger") in (None, True) and "logger" not in kwargs:
             section = self._section()
             configs = section.get("config") or []
@@ -113,11 +127,82 @@ _SUBCOMMANDS = {
     "serve": "serve",
 }
 
+_SUMMARIES = {
+    "fit": "train or fine-tune (LightningCLI over CausalLMModule + TextDataModule; --model.pretrained HF_FOLDER)",
+    "validate": "validation loss of a checkpoint",
+    "test": "test loss of a checkpoint",
+    "predict": "run the model's predict step",
+    "generate": "complete prompts with the inference engine",
+    "quantize": "quantize a model's linear layers (RTN/GPTQ) into a GPTQ or compressed-tensors folder",
+    "export": "convert a quantized folder between GPTQ and compressed-tensors",
+    "consolidate": "a sharded training checkpoint to one Hugging Face folder",
+    "pipeline-plan": "print a pipeline-parallel schedule and its bubble",
+    "serve": "serve a model over HTTP (OpenAI-style API)",
+}
+
+# Errors that mean bad input (a value, a path, a missing extra) rather than a bug: shown as one line.
+_USER_ERRORS = (ValueError, OSError, KeyError, NotImplementedError, ImportError)
+
+
+def _available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(f"lightning_llmopt.cli.{_SUBCOMMANDS[name]}") is not None
+
+
+def usage() -> str:
+    """The text of ``llmopt --help``: every subcommand with one line each."""
+    names = ["fit", "validate", "test", "predict", *[n for n in _SUBCOMMANDS if _available(n)]]
+    width = max(map(len, names)) + 2
+    lines = ["usage: llmopt <command> [options]   (llmopt <command> --help for its options)", "", "commands:"]
+    lines += [f"  {n:<{width}}{_SUMMARIES.get(n, '')}" for n in names]
+    lines += ["", "options:", "  --debug     show the full traceback of an error (also LLMOPT_DEBUG=1)"]
+    return "\n".join(lines)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    if "invalid strategy name" in text:
+        text = _strategy_message(text)
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def _strategy_message(text: str) -> str:
+    """Lightning's unknown-strategy message names Lightning's choices only: add ours (``zero*``, ``nd_*``)."""
+    import re
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_llmopt.strategies  # noqa: F401  (registers our names)
+
+    ours = sorted(
+        n for n in StrategyRegistry if str(StrategyRegistry[n]["strategy"].__module__).startswith("lightning_llmopt")
+    )
+    name = re.search(r"strategy='([^']*)'", text)
+    shown = f"unknown strategy {name.group(1)!r}" if name else "unknown strategy"
+    return f"{shown}; lightning_llmopt's: {', '.join(ours)}; Lightning's: auto, ddp, fsdp, deepspeed, ..."
+
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``llmopt`` console script."""
+    """Entry point of the ``llmopt`` console script (see the module docstring for errors and ``--debug``)."""
     argv = sys.argv[1:] if args is None else list(args)
-    if argv and argv[0] in _SUBCOMMANDS:  # plain argparse subcommands, outside LightningCLI
+    debug = "--debug" in argv or os.environ.get("LLMOPT_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return
+    command = argv[0] if argv[0] in _SUMMARIES else "fit"
+    try:
+        _run(argv, None if args is None else argv)
+    except _USER_ERRORS as exc:
+        if debug:
+            raise
+        print(f"llmopt {command}: error: {_one_line(exc)}  (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(argv: list[str], args: list[str] | None) -> None:
+    if argv[0] in _SUBCOMMANDS:  # plain argparse subcommands, outside LightningCLI
         import importlib
 
         importlib.import_module(f"lightning_llmopt.cli.{_SUBCOMMANDS[argv[0]]}").main(argv[1:])

@@ -61,7 +61,7 @@ def model_from_state_dict(
     return model
 
 
-def _load_dcp(path: Path, dtype: torch.dtype | None, device: torch.device | str) -> Llama:
+def _load_dcp(path: Path, dtype: torch.dtype | None, device: torch.device | str) -> tuple[Llama, Any]:
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_llmopt.cli.consolidate import (
@@ -69,6 +69,7 @@ def _load_dcp(path: Path, dtype: torch.dtype | None, device: torch.device | str)
         _load,
         _model_keys,
         _nested,
+        checkpoint_tokenizer,
         config_from_checkpoint,
         resolve_checkpoint,
     )
@@ -89,7 +90,8 @@ def _load_dcp(path: Path, dtype: torch.dtype | None, device: torch.device | str)
         entries[dcp_path] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     state = _nested(entries)
     _load(state, folder)
-    return model_from_state_dict(config, {n: _get(state, p) for n, p in found.items()}, dtype, device)
+    model = model_from_state_dict(config, {n: _get(state, p) for n, p in found.items()}, dtype, device)
+    return model, checkpoint_tokenizer(folder, metadata)
 
 
 def _load_lightning(
@@ -175,5 +177,5 @@ def load_model(
 
             tokenizer = load_tokenizer(path)
     else:
-        model = _load_dcp(path, dtype, device)
+        model, tokenizer = _load_dcp(path, dtype, device)
     return model.eval(), tokenizer

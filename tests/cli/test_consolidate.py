@@ -144,8 +144,11 @@ def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
     save_checkpoint(state, root, 1)
     folder = save_checkpoint(state, root, 2)
     (folder / "COMPLETE").unlink()
-    with pytest.raises(IncompleteCheckpointError, match=r"no COMPLETE marker .* newest complete checkpoint is .*"
-                                                        r"step-00000001"):
+    with pytest.raises(
+        IncompleteCheckpointError,
+        match=r"no COMPLETE marker .* newest complete checkpoint is .*"
+        r"step-00000001",
+    ):
         consolidate(folder, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()  # refused before writing anything
     partial_only = tmp_path / "partial"
@@ -154,3 +157,53 @@ def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
         consolidate(partial_only, tmp_path / "hf")
     with pytest.raises(ValueError, match=r"arch 'llama' has no q/k/v biases|requires qkv_bias"):
         consolidate(root, tmp_path / "hf", arch="qwen2")
+
+
+def test_pretrained_finetune_checkpoint_consolidates_to_a_drop_in_folder(tmp_path: Path) -> None:
+    """A transformers Llama folder with its tokenizer -> ``CausalLMModule(pretrained=...)`` -> a sharded checkpoint
+    as ZeroStrategy writes it (the Lightning entries beside the shards) -> ``llmopt consolidate`` -> transformers
+    loads the model (same logits as ours) and the tokenizer (same ids), and the folder has a generation config."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from lightning_llmopt import CausalLMModule
+    from lightning_llmopt.data import ByteTokenizer
+    from lightning_llmopt.strategies.zero_checkpoint import to_bytes
+
+    torch.manual_seed(0)
+    src = tmp_path / "hub"
+    cfg = transformers.LlamaConfig(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=256,  # the byte tokenizer's: save_pretrained writes them to generation_config.json
+        eos_token_id=257,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+    ByteTokenizer().save_pretrained(src)
+    module = CausalLMModule(pretrained=str(src))
+    module.configure_model()
+    assert module.model is not None
+    with torch.no_grad():  # stands in for fine-tuning: the export must carry these weights, not the Hub's
+        module.model.norm.weight.mul_(1.5)
+    state = {
+        "model": {f"model.{k}": v for k, v in module.model.state_dict().items()},
+        "lightning": {"llmopt_tokenizer": to_bytes(module.tokenizer_spec())},
+    }
+    folder = save_checkpoint(state, tmp_path / "ckpt", 4, extra={"config": module.config.to_dict()})
+    main([str(folder), str(tmp_path / "hf")])
+    names = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= names
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (256, 257)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = "def f(x): return 'héllo'"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == ByteTokenizer().encode(text)
+    with torch.no_grad():
+        # the same fp32 weights in two implementations: rounding only (as _check_outputs)
+        torch.testing.assert_close(hf(ids).logits, module.model(ids), rtol=1e-4, atol=1e-5)
