@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,9 @@ def test_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
         consolidate(root, tmp_path / "hf", arch="qwen2")
 
 
-def test_pretrained_finetune_checkpoint_consolidates_to_a_drop_in_folder(tmp_path: Path) -> None:
+def test_pretrained_finetune_checkpoint_consolidates_to_a_drop_in_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A transformers Llama folder with its tokenizer -> ``CausalLMModule(pretrained=...)`` -> a sharded checkpoint
     as ZeroStrategy writes it (the Lightning entries beside the shards) -> ``llmopt consolidate`` -> transformers
     loads the model (same logits as ours) and the tokenizer (same ids), and the folder has a generation config."""
@@ -195,6 +198,7 @@ def test_pretrained_finetune_checkpoint_consolidates_to_a_drop_in_folder(tmp_pat
     }
     folder = save_checkpoint(state, tmp_path / "ckpt", 4, extra={"config": module.config.to_dict()})
     main([str(folder), str(tmp_path / "hf")])
+    assert re.search(r"\[consolidate\] (\d+)/\1 tensors \(100\.0%\)", capsys.readouterr().err)
     names = {p.name for p in (tmp_path / "hf").iterdir()}
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= names
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())

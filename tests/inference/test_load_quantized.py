@@ -43,6 +43,8 @@ def test_quantize_cli_qwen2_loads_in_engine_and_generate(tmp_path: Path, model_f
     out = quantize_cli.main(
         [str(src), str(tmp_path / "q"), "--method", "rtn", "--bits", "4", "--group-size", "32", "--device", "cpu"]
     )
+    err = capsys.readouterr().err  # progress over the 14 quantized layers (the head is skipped), off a terminal
+    assert "[quantize] started: 14 layers" in err and "[quantize] 14/14 layers (100.0%)" in err
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen2" and config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
@@ -53,6 +55,14 @@ def test_quantize_cli_qwen2_loads_in_engine_and_generate(tmp_path: Path, model_f
     assert engine.tokenizer is not None and engine.tokenizer.encode("hé") == ByteTokenizer().encode("hé")
     assert _greedy(engine) == want
     assert _cli_tokens(out, capsys) == want
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokens = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        # transformers decompresses the same codes and scales: the two fp32 forwards differ by rounding only
+        torch.testing.assert_close(theirs(tokens).logits, in_memory(tokens), rtol=1e-4, atol=1e-5)
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).encode("hé") == ByteTokenizer().encode("hé")
 
 
 def test_gptq_folder_loads_in_engine_and_generate(tmp_path: Path, model_factory, capsys) -> None:
