@@ -177,3 +177,63 @@ def test_bad_input_fails_before_training_naming_the_value(tmp_path, override, me
     assert result.returncode != 0
     assert message in result.stderr
     assert not (tmp_path / "runs" / "tiny_cpu" / "checkpoints").exists()
+
+
+def test_fit_pretrained_folder_then_generate_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """``llmopt fit --model.pretrained HF_FOLDER`` builds the model from the folder (a transformers tiny Llama) and
+    its checkpoint remembers the folder's tokenizer, so ``llmopt generate CKPT --prompt`` needs no flag."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import torch
+
+    from lightning_llmopt.data import ByteTokenizer
+    from lightning_llmopt.models import from_hf
+
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "hub"
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=258,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(src)
+    ByteTokenizer().save_pretrained(src)
+    args = [
+        "fit",
+        "--config",
+        str(CONFIG),
+        *SHORT,
+        "--wandb=false",
+        "--trainer.max_steps=2",
+        f"--model.pretrained={src}",
+        f"--data.tokenizer={src}",
+    ]
+    code, out, err = _in_process(args, capsys)
+    assert code == 0, err[-3000:]
+    ckpt = torch.load(tmp_path / "runs" / "tiny_cpu" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["hyper_parameters"]["pretrained"] == str(src) and ckpt["llmopt_tokenizer"] == str(src)
+    assert ckpt["hyper_parameters"]["model"]["dim"] == 48  # the folder's config, not the YAML's preset
+    start = from_hf(src).state_dict()
+    moved = {k: float((ckpt["state_dict"][f"model.{k}"] - v).abs().max()) for k, v in start.items()}
+    assert 0 < max(moved.values()) < 0.05  # two small AdamW steps away from the pretrained weights
+    code, out, err = _in_process(
+        [
+            "generate",
+            str(tmp_path / "runs" / "tiny_cpu" / "checkpoints" / "last.ckpt"),
+            "--prompt",
+            "def",
+            "--max-tokens",
+            "3",
+            "--device",
+            "cpu",
+            "--num-blocks",
+            "16",
+        ],
+        capsys,
+    )
+    assert code == 0 and out.startswith("=== prompt 0 ===\ndef\n--- completion 0.0"), err[-2000:]
