@@ -69,9 +69,32 @@ def _filter(logits: Tensor, top_k: int | None, top_p: float) -> Tensor:
     return logits
 
 
-def _column(values: list[float] | list[int], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """``(N, 1)`` tensor of per-row values on ``like``'s device (a host-to-device copy, no synchronisation)."""
-    return torch.tensor(values, dtype=dtype or like.dtype).to(like.device, non_blocking=True).unsqueeze(1)
+def _upload(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device`` without waiting for the device (pinned memory on CUDA: a copy from pageable
+    memory may drain the stream first)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+# columns of the per-row parameter table (one upload a step)
+TEMP, KTH, TOP_P, MIN_P, REP, FREQ, PRES, GREEDY = range(8)
+
+
+def param_table(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> Tensor:
+    """``(N, 8)`` fp32 per-row parameters (columns above; each option's neutral value where it is off)."""
+    rows = [
+        [
+            1.0 if p.greedy else p.temperature,
+            (p.top_k if p.top_k and p.top_k < vocab else vocab) - 1,  # index of the k-th largest logit
+            p.top_p if p.top_p < 1 else 2.0,  # 2: a mass never reached
+            p.min_p,
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+            float(p.greedy),
+        ]
+        for p in params
+    ]
+    return _upload(torch.tensor(rows, dtype=torch.float32), device)
 
 
 def _token_counts(
@@ -80,46 +103,42 @@ def _token_counts(
     """``(N, V)`` fp32 counts of the output tokens of ``rows`` (``prompt``: of their prompt and output tokens)."""
     lists = [histories[r][0] if prompt else histories[r][0][histories[r][1] :] for r in rows]
     lengths = torch.tensor([len(t) for t in lists], dtype=torch.long)
-    ids = torch.tensor([t for tokens in lists for t in tokens], dtype=torch.long).to(device, non_blocking=True)
-    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths).to(device, non_blocking=True)
+    ids = _upload(torch.tensor([t for tokens in lists for t in tokens], dtype=torch.long), device)
+    row_of = _upload(torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths), device)
     counts = torch.zeros(n, vocab, device=device)
     return counts.index_put_((row_of, ids), torch.ones(ids.shape, device=device), accumulate=True)
 
 
-def apply_penalties(x: Tensor, params: Sequence[SamplingParams], histories: Sequence[History]) -> Tensor:
-    """Repetition, frequency and presence penalties on fp32 logits ``x`` ``(N, V)`` (step 1 of the module)."""
+def apply_penalties(x: Tensor, table: Tensor, params: Sequence[SamplingParams], histories: Sequence[History]) -> Tensor:
+    """Repetition, frequency and presence penalties on fp32 logits ``x`` ``(N, V)`` (step 1 of the module);
+    ``table`` is :func:`param_table` of ``params``."""
     n, vocab = x.shape
-    if any(p.repetition_penalty != 1 for p in params):
-        rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
+    if rows:
         seen = _token_counts(histories, rows, n, vocab, x.device, prompt=True) > 0
-        r = _column([p.repetition_penalty for p in params], x)
+        r = table[:, REP : REP + 1]
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-    if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
-        rows = [i for i, p in enumerate(params) if p.presence_penalty != 0 or p.frequency_penalty != 0]
+    rows = [i for i, p in enumerate(params) if p.presence_penalty != 0 or p.frequency_penalty != 0]
+    if rows:
         counts = _token_counts(histories, rows, n, vocab, x.device, prompt=False)
-        freq = _column([p.frequency_penalty for p in params], x)
-        pres = _column([p.presence_penalty for p in params], x)
-        x = x - freq * counts - pres * (counts > 0).to(x.dtype)
+        x = x - table[:, FREQ : FREQ + 1] * counts - table[:, PRES : PRES + 1] * (counts > 0).to(x.dtype)
     return x
 
 
-def filter_rows(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+def filter_rows(x: Tensor, table: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """Top-k, top-p and min-p of every row of fp32 logits ``x`` ``(N, V)`` at once (steps 3-5 of the module)."""
-    n, vocab = x.shape
-    ks = [p.top_k if p.top_k and p.top_k < vocab else vocab for p in params]
-    if any(k < vocab for k in ks) or any(p.top_p < 1 for p in params):
+    vocab = x.shape[1]
+    if any((p.top_k and p.top_k < vocab) or p.top_p < 1 for p in params):
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        kth = sorted_x.gather(1, _column([k - 1 for k in ks], x, torch.long))
+        kth = sorted_x.gather(1, table[:, KTH : KTH + 1].long())
         sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
         probs = torch.softmax(sorted_x, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
-        top_p = _column([p.top_p if p.top_p < 1 else 2.0 for p in params], x)  # 2: never reached
-        sorted_x = sorted_x.masked_fill(before >= top_p, float("-inf"))
+        sorted_x = sorted_x.masked_fill(before >= table[:, TOP_P : TOP_P + 1], float("-inf"))
         x = torch.empty_like(x).scatter_(1, order, sorted_x)
     if any(p.min_p > 0 for p in params):
         probs = torch.softmax(x, dim=-1)
-        floor = _column([p.min_p for p in params], x) * probs.amax(dim=-1, keepdim=True)
-        x = x.masked_fill(probs < floor, float("-inf"))
+        x = x.masked_fill(probs < table[:, MIN_P : MIN_P + 1] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return x
 
 
@@ -138,7 +157,7 @@ def _noise(shape: tuple[int, int], generators: Sequence[torch.Generator | None],
             q[rows[0]].exponential_(generator=g)
         else:
             block = torch.empty(len(rows), shape[1], device=device).exponential_(generator=g)
-            q.index_copy_(0, torch.tensor(rows).to(device, non_blocking=True), block)
+            q.index_copy_(0, _upload(torch.tensor(rows), device), block)
     return q.clamp_min_(torch.finfo(q.dtype).tiny)  # an exact 0 would turn a masked token's 0 / 0 into NaN
 
 
@@ -175,21 +194,18 @@ def sample_batch(
     if not penalised and all(p.greedy for p in params):  # the common case: one argmax
         return _logprobs(logits, logits.argmax(dim=-1), params)
     x = logits.float()
+    table = param_table(params, x.shape[1], x.device)
     if penalised:
         if histories is None:
             raise ValueError("a penalised row needs histories=(tokens, prompt_len) per row")
-        x = apply_penalties(x, params, histories)
+        x = apply_penalties(x, table, params, histories)
     greedy_tokens = x.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        x = x / _column([p.temperature if not p.greedy else 1.0 for p in params], x)
-        probs = torch.softmax(filter_rows(x, params), dim=-1)
-        gens = [g if not p.greedy else None for p, g in zip(params, generators, strict=True)]
-        drawn = (probs / _noise((x.shape[0], x.shape[1]), gens, x.device)).argmax(dim=-1)
-        is_greedy = _column([p.greedy for p in params], x, torch.bool).squeeze(1)
-        tokens = torch.where(is_greedy, greedy_tokens, drawn)
-    else:
-        tokens = greedy_tokens
+    if all(p.greedy for p in params):
+        return _logprobs(logits, greedy_tokens, params)
+    probs = torch.softmax(filter_rows(x / table[:, TEMP : TEMP + 1], table, params), dim=-1)
+    gens = [g if not p.greedy else None for p, g in zip(params, generators, strict=True)]
+    drawn = (probs / _noise((x.shape[0], x.shape[1]), gens, x.device)).argmax(dim=-1)
+    tokens = torch.where(table[:, GREEDY] > 0, greedy_tokens, drawn)
     return _logprobs(logits, tokens, params)
 
 

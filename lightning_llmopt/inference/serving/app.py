@@ -24,7 +24,7 @@ from lightning_llmopt.inference.serving.async_engine import AsyncEngine, QueueFu
 from lightning_llmopt.inference.serving.chat import ChatTemplate, find_chat_template
 from lightning_llmopt.inference.serving.metrics import ServerMetrics
 from lightning_llmopt.inference.serving.protocol import APIError, parse_chat, parse_completion
-from lightning_llmopt.inference.serving.responses import Job, chunk, full_response, usage, usage_chunk
+from lightning_llmopt.inference.serving.responses import Job, chunk, full_response, running_usage, usage, usage_chunk
 
 __all__ = ["Server", "build_app"]
 
@@ -153,12 +153,12 @@ async def _run(server: Server, job: Job, tokenizer: Any) -> AsyncIterator[dict[s
             job.cancel()  # the client went away (or the stream broke): free its blocks
 
 
-async def _sse(server: Server, job: Job, tokenizer: Any, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(server: Server, job: Job, tokenizer: Any, include_usage: bool, continuous: bool) -> AsyncIterator[str]:
     try:
         async with contextlib.aclosing(_run(server, job, tokenizer)) as chunks:
             async for body in chunks:
                 if include_usage:
-                    body["usage"] = None
+                    body["usage"] = running_usage(job) if continuous else None
                 yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
         if include_usage:
             yield f"data: {json.dumps(usage_chunk(job))}\n\n"
@@ -186,12 +186,13 @@ async def _collect(server: Server, job: Job, tokenizer: Any, request: Any) -> di
             return full_response(job, tokenizer)
 
 
-async def _respond(server: Server, job: Job, stream: bool, include_usage: bool, request: Any) -> Any:
+async def _respond(server: Server, job: Job, req: Any, request: Any) -> Any:
     from fastapi.responses import JSONResponse, StreamingResponse
 
     tokenizer = server.engine.tokenizer
-    if stream:
-        return StreamingResponse(_sse(server, job, tokenizer, include_usage), media_type="text/event-stream")
+    if req.stream:
+        events = _sse(server, job, tokenizer, req.include_usage, req.continuous_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
     return JSONResponse(await _collect(server, job, tokenizer, request))
 
 
@@ -250,7 +251,7 @@ def build_app(server: Server) -> Any:
         engine = server.engine
         prompts = [server.tokens(engine, p, req.params, "prompt") for p in req.prompts]
         job = server.submit("completion", req.model, prompts, req.params, req.logprobs)
-        return await _respond(server, job, req.stream, req.include_usage, request)
+        return await _respond(server, job, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -269,6 +270,6 @@ def build_app(server: Server) -> Any:
             params = dataclasses.replace(params, max_tokens=max(engine.max_model_len - len(tokens), 1))
             tokens = server.tokens(engine, text, params, "messages")
         job = server.submit("chat", req.model, [tokens], params, req.logprobs)
-        return await _respond(server, job, req.stream, req.include_usage, request)
+        return await _respond(server, job, req, request)
 
     return app

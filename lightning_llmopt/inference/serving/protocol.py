@@ -50,6 +50,7 @@ class CompletionRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     logprobs: int | None
 
 
@@ -62,6 +63,7 @@ class ChatRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     logprobs: int | None  # top_logprobs when ``logprobs`` is true
     max_tokens_given: bool
 
@@ -93,15 +95,18 @@ def _typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any
     return value
 
 
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage_stats)``; the second (vLLM's extension) puts the usage so far in every
+    chunk, which tells a client how many tokens each chunk carries."""
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return False, False
     if not stream:
         raise _bad("stream_options", "only allowed with stream: true")
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise _bad("stream_options", "supported: {'include_usage': bool}")
-    return bool(_typed(opts, "include_usage", (bool,), False))
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise _bad("stream_options", "supported: {'include_usage': bool, 'continuous_usage_stats': bool}")
+    usage = bool(_typed(opts, "include_usage", (bool,), False))
+    return usage, usage and bool(_typed(opts, "continuous_usage_stats", (bool,), False))
 
 
 def _stops(body: dict[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -172,7 +177,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     max_tokens = _typed(body, "max_tokens", (int,), 16)
     stream = _typed(body, "stream", (bool,), False)
     return CompletionRequest(
-        body["model"], _prompts(body), _params(body, max_tokens, logprobs), stream, _stream_options(body, stream),
+        body["model"], _prompts(body), _params(body, max_tokens, logprobs), stream, *_stream_options(body, stream),
         logprobs,
     )  # fmt: skip
 
@@ -215,6 +220,5 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatRequest:
     stream = _typed(body, "stream", (bool,), False)
     messages = _messages(body)
     params = _params(body, max_tokens if max_tokens is not None else default_max_tokens, logprobs)
-    return ChatRequest(
-        body["model"], messages, params, stream, _stream_options(body, stream), logprobs, max_tokens is not None
-    )
+    usage, continuous = _stream_options(body, stream)
+    return ChatRequest(body["model"], messages, params, stream, usage, continuous, logprobs, max_tokens is not None)

@@ -17,7 +17,7 @@ from lightning_llmopt.inference.request import StreamEvent
 from lightning_llmopt.inference.sampling import TokenLogprobs
 from lightning_llmopt.inference.serving.async_engine import Handle
 
-__all__ = ["Job", "chunk", "format_logprobs", "full_response", "usage"]
+__all__ = ["Job", "chunk", "format_logprobs", "full_response", "running_usage", "usage", "usage_chunk"]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "cancelled": "abort"}
 
@@ -38,6 +38,7 @@ class Job:
     lps: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     reasons: dict[int, str | None] = field(default_factory=dict)
     started: set[int] = field(default_factory=set)  # chat choices whose role chunk was sent
+    generated: int = 0  # tokens streamed so far, all choices
 
     def cancel(self) -> None:
         for h in self.handles:
@@ -68,6 +69,7 @@ class Job:
     def record(self, prompt: int, ev: StreamEvent) -> int:
         """Remember an event's text, logprobs and finish reason; returns its choice index."""
         index = prompt * self.n + ev.index
+        self.generated += len(ev.token_ids)
         self.texts.setdefault(index, []).append(ev.text or "")
         self.lps.setdefault(index, []).extend(ev.logprobs or [])
         if ev.finished:
@@ -117,8 +119,8 @@ def chunk(job: Job, tokenizer: Any, index: int, ev: StreamEvent, offset: int) ->
         format_logprobs(job.kind, tokenizer, ev.logprobs, offset) if job.logprobs is not None and ev.logprobs else None
     )
     reason = _FINISH.get(ev.finish_reason or "", ev.finish_reason) if ev.finished else None
-    if not ev.text and lps is None and not ev.finished and (job.kind != "chat" or index in job.started):
-        return None
+    if not ev.token_ids and not ev.finished and (job.kind != "chat" or index in job.started):
+        return None  # (new tokens always make a chunk, even when their text is held back: clients time tokens)
     if job.kind == "chat":
         delta: dict[str, Any] = {} if ev.finished and not ev.text else {"content": ev.text or ""}
         if index not in job.started:
@@ -129,6 +131,12 @@ def chunk(job: Job, tokenizer: Any, index: int, ev: StreamEvent, offset: int) ->
                 "choices": [choice]}  # fmt: skip
     choice = {"index": index, "text": ev.text or "", "logprobs": lps, "finish_reason": reason}
     return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model, "choices": [choice]}
+
+
+def running_usage(job: Job) -> dict[str, int]:
+    """The usage so far (``continuous_usage_stats``)."""
+    prompt = sum(job.prompt_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": job.generated, "total_tokens": prompt + job.generated}
 
 
 def usage_chunk(job: Job) -> dict[str, Any]:
