@@ -2,15 +2,19 @@
 
     llmopt quantize SRC OUT [--method rtn|gptq] [--bits 4] [--group-size 128] [--asym] [--observer minmax]
         [--act-order] [--damp 0.01] [--format compressed-tensors|gptq] [--data PATH] [--tokenizer byte|PATH]
-        [--calib-samples 128] [--seq-len 512] [--dtype fp16|bf16|fp32] [--device cpu|cuda]
+        [--calib-samples 128] [--seq-len 512] [--dtype fp16|bf16|fp32] [--device cpu|cuda] [--offload]
 
 ``SRC`` is a Hugging Face folder (Llama, Mistral, Qwen2; read without transformers) or a Lightning checkpoint
 (``.ckpt``) of :class:`~lightning_llmopt.CausalLMModule`, e.g. the end of a run with the
 :class:`~lightning_llmopt.callbacks.qat.QuantizationAwareTraining` callback (round to nearest then reproduces the
 grid QAT trained for). GPTQ calibrates on ``--calib-samples`` sequences of ``--seq-len`` tokens from ``--data``
-(default: the Python standard library, :class:`~lightning_llmopt.data.TextDataModule`'s default corpus) tokenized
-with ``--tokenizer`` (default: ``SRC``'s ``tokenizer.json`` if there is one, else bytes). The output loads back with
-:func:`lightning_llmopt.quantization.load_quantized` and in other tools (see docs/quantization.md).
+(a labelled fallback without it: the Python standard library, :class:`~lightning_llmopt.data.TextDataModule`'s
+default corpus) tokenized with ``--tokenizer`` (default: ``SRC``'s own tokenizer, else bytes). GPTQ runs block by
+block (:mod:`~lightning_llmopt.quantization.gptq_blocks`); ``--offload`` keeps the model on the CPU and moves one
+block at a time to ``--device``. The architecture written is ``SRC``'s (``--arch`` overrides it); the output also
+holds ``SRC``'s tokenizer files and a ``generation_config.json``. It loads back with
+:func:`lightning_llmopt.quantization.load_quantized`, ``LLMEngine.from_pretrained``, ``llmopt generate`` and other
+tools (see docs/quantization.md). Progress over the layers goes to stderr.
 """
 
 from __future__ import annotations
@@ -138,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         "scales and floats whatever this is",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="GPTQ: keep the model on the CPU and move one transformer block at a time to --device (for models "
+        "larger than the device's memory)",
+    )
     return p
 
 
@@ -159,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     dtype = DTYPES[args.dtype] if args.dtype else None
     print(f"[quantize] loading {args.src}", file=sys.stderr, flush=True)
-    model, tokenizer, arch = load_source(args.src, dtype, args.device)
+    model, tokenizer, arch = load_source(args.src, dtype, "cpu" if args.offload else args.device)
     model.eval()
     arch = args.arch or arch
     if args.tokenizer is not None:
@@ -182,7 +192,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
             args.data, _calibration_spec(tokenizer), args.calib_samples, args.seq_len, model.config.vocab_size
         )
     with Progress("quantize", len(quantizable_linears(model, config)), "layers") as bar:
-        report = quantize_model(model, config, calibration, progress=lambda name: bar.update(1, name))
+        block_device = args.device if args.offload else None
+        report = quantize_model(
+            model, config, calibration, progress=lambda name: bar.update(1, name), device=block_device
+        )
     out = save_quantized(model, args.out, args.format, arch)
     write_tokenizer_files(out, tokenizer)
     print(

@@ -5,10 +5,13 @@ Works on any module tree (our :class:`~lightning_llmopt.models.Llama` or a trans
 type and named as in ``model.named_modules()``. GPTQ needs calibration batches and a ``forward(model, batch)``
 (default: ``model(batch)`` for a tensor of token ids, ``model(batch["input_ids"])`` for a dict).
 
-Sequential GPTQ groups the layers by transformer block (the module path up to ``layers.<i>``). For each block in
-order, hooks collect the Hessians of its layers while the calibration batches run through the model, whose earlier
-blocks are already quantized; a hook on the block stops the forward pass there. Layers outside any block form a
-last group. The cost is one partial forward pass per block over the calibration set.
+Sequential GPTQ groups the layers by transformer block (the module path up to ``layers.<i>``) and calibrates each
+block on the outputs of the already-quantized blocks before it. The block driver
+(:mod:`~lightning_llmopt.quantization.gptq_blocks`) captures the first block's inputs once and then runs block by
+block: two forwards of each block over the calibration set (Hessians, then its quantized outputs for the next
+block), 2L block forwards in all. Where the blocks are not one chain (no ``layers`` container), the prefix driver
+runs instead: hooks collect a block's Hessians while the batches run through the whole model, stopped after the
+block, L(L+1)/2 block forwards. Layers outside any block form a last group (one full forward).
 """
 
 from __future__ import annotations
@@ -136,6 +139,39 @@ def sequential_groups(
     return [*groups.items(), *([(None, tail)] if tail else [])]
 
 
+def quantize_group(
+    model: nn.Module,
+    group: dict[str, nn.Linear],
+    hessians: dict[str, HessianAccumulator],
+    config: QuantConfig,
+    report: QuantizationReport,
+    progress: Callable[[str], None],
+) -> None:
+    """GPTQ on each layer of ``group`` from its accumulated Hessian; the layer becomes a ``QuantizedLinear``."""
+    for name, linear in group.items():
+        spec = config.spec_for(name, linear.in_features)
+        assert spec is not None
+        spec.check_weight(tuple(linear.weight.shape))
+        if hessians[name].n == 0:
+            raise RuntimeError(f"GPTQ: layer {name!r} saw no calibration input (is it used in forward?)")
+        dtype = config.scale_dtype or linear.weight.dtype
+        result = gptq_quantize(
+            linear.weight,
+            hessians[name].H,
+            spec,
+            config.observer_for(name),
+            config.block_size,
+            config.damp,
+            config.act_order,
+            scale_dtype=dtype,
+        )
+        del hessians[name]
+        set_module(model, name, QuantizedLinear.from_quantized(result.weight, linear.bias, dtype))
+        report.layers[name] = spec.describe()
+        report.gptq_loss[name] = result.loss
+        progress(name)
+
+
 def _quantize_gptq(
     model: nn.Module,
     layers: dict[str, nn.Linear],
@@ -145,32 +181,12 @@ def _quantize_gptq(
     report: QuantizationReport,
     progress: Callable[[str], None],
 ) -> None:
+    """The prefix driver: each group's Hessians from full forward passes stopped after the group's block."""
     for block, names in sequential_groups(model, layers, config.sequential):
         stop_at = model.get_submodule(block) if block is not None else None
         group = {n: layers[n] for n in names}
         hessians = calibrate_inputs(model, group, batches, forward, stop_at)
-        for name, linear in group.items():
-            spec = config.spec_for(name, linear.in_features)
-            assert spec is not None
-            spec.check_weight(tuple(linear.weight.shape))
-            if hessians[name].n == 0:
-                raise RuntimeError(f"GPTQ: layer {name!r} saw no calibration input (is it used in forward?)")
-            dtype = config.scale_dtype or linear.weight.dtype
-            result = gptq_quantize(
-                linear.weight,
-                hessians[name].H,
-                spec,
-                config.observer_for(name),
-                config.block_size,
-                config.damp,
-                config.act_order,
-                scale_dtype=dtype,
-            )
-            del hessians[name]
-            set_module(model, name, QuantizedLinear.from_quantized(result.weight, linear.bias, dtype))
-            report.layers[name] = spec.describe()
-            report.gptq_loss[name] = result.loss
-            progress(name)
+        quantize_group(model, group, hessians, config, report, progress)
 
 
 def quantize_model(
@@ -179,6 +195,7 @@ def quantize_model(
     calibration: Iterable[Any] | None = None,
     forward: Callable[[nn.Module, Any], Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    device: torch.device | str | None = None,
 ) -> QuantizationReport:
     """Quantize ``model``'s linear layers in place (see the module docstring).
 
@@ -189,6 +206,8 @@ def quantize_model(
             transformer block.
         forward: ``forward(model, batch)``; default :func:`default_forward`.
         progress: called with each layer's name once it is quantized (e.g. to advance a progress bar).
+        device: GPTQ only: where each transformer block is moved, one at a time, to be calibrated and quantized
+            (default: where it is); the other blocks stay where they are (e.g. on the CPU).
 
     Returns a :class:`QuantizationReport`.
     """
@@ -207,7 +226,13 @@ def quantize_model(
         else:
             if calibration is None:
                 raise ValueError("method 'gptq' needs calibration batches")
-            _quantize_gptq(model, layers, config, list(calibration), forward or default_forward, report, done)
+            batches, fwd = list(calibration), forward or default_forward
+            from lightning_llmopt.quantization.gptq_blocks import quantize_blockwise
+
+            if not (
+                config.sequential and quantize_blockwise(model, layers, config, batches, fwd, report, done, device)
+            ):
+                _quantize_gptq(model, layers, config, batches, fwd, report, done)
     finally:
         model.train(was_training)
     report.seconds = time.perf_counter() - start
