@@ -24,9 +24,11 @@ one ``argmax`` as before: greedy output is unchanged.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -97,32 +99,34 @@ def param_table(params: Sequence[SamplingParams], vocab: int, device: torch.devi
     return _upload(torch.tensor(rows, dtype=torch.float32), device)
 
 
-def _token_counts(
-    histories: Sequence[History], rows: list[int], n: int, vocab: int, device: torch.device, prompt: bool
-) -> Tensor:
-    """``(N, V)`` fp32 counts of the output tokens of ``rows`` (``prompt``: of their prompt and output tokens)."""
-    lists = [histories[r][0] if prompt else histories[r][0][histories[r][1] :] for r in rows]
-    lengths = torch.tensor([len(t) for t in lists], dtype=torch.long)
-    ids = _upload(torch.tensor([t for tokens in lists for t in tokens], dtype=torch.long), device)
-    row_of = _upload(torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths), device)
-    counts = torch.zeros(n, vocab, device=device)
-    return counts.index_put_((row_of, ids), torch.ones(ids.shape, device=device), accumulate=True)
+def token_counts(histories: Sequence[History], rows: list[int], n: int, vocab: int, device: torch.device) -> Tensor:
+    """``(2, N, V)`` fp32: per row of ``rows``, the counts of its prompt and output tokens, then of its output tokens
+    only (other rows zero). The histories go up in one copy: ``(3, T)`` int64 of token, row and is-output."""
+    lengths = np.array([len(histories[r][0]) for r in rows], dtype=np.int64)
+    total = int(lengths.sum())
+    flat = np.empty((3, total), dtype=np.int64)
+    flat[0] = np.fromiter(itertools.chain.from_iterable(histories[r][0] for r in rows), np.int64, count=total)
+    flat[1] = np.repeat(np.array(rows, dtype=np.int64), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    plens = np.repeat(np.array([histories[r][1] for r in rows], dtype=np.int64), lengths)
+    flat[2] = (np.arange(total) - starts) >= plens
+    ids, row_of, is_out = _upload(torch.from_numpy(flat), device)
+    counts = torch.zeros(2, n, vocab, device=device)
+    counts[0].index_put_((row_of, ids), torch.ones(ids.shape, device=device), accumulate=True)
+    counts[1].index_put_((row_of, ids), is_out.float(), accumulate=True)
+    return counts
 
 
 def apply_penalties(x: Tensor, table: Tensor, params: Sequence[SamplingParams], histories: Sequence[History]) -> Tensor:
     """Repetition, frequency and presence penalties on fp32 logits ``x`` ``(N, V)`` (step 1 of the module);
     ``table`` is :func:`param_table` of ``params``."""
     n, vocab = x.shape
-    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
-    if rows:
-        seen = _token_counts(histories, rows, n, vocab, x.device, prompt=True) > 0
+    counts = token_counts(histories, [i for i, p in enumerate(params) if p.penalised], n, vocab, x.device)
+    if any(p.repetition_penalty != 1 for p in params):
         r = table[:, REP : REP + 1]
-        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-    rows = [i for i, p in enumerate(params) if p.presence_penalty != 0 or p.frequency_penalty != 0]
-    if rows:
-        counts = _token_counts(histories, rows, n, vocab, x.device, prompt=False)
-        x = x - table[:, FREQ : FREQ + 1] * counts - table[:, PRES : PRES + 1] * (counts > 0).to(x.dtype)
-    return x
+        x = torch.where(counts[0] > 0, torch.where(x > 0, x / r, x * r), x)
+    out = counts[1]
+    return x - table[:, FREQ : FREQ + 1] * out - table[:, PRES : PRES + 1] * (out > 0).to(x.dtype)
 
 
 def filter_rows(x: Tensor, table: Tensor, params: Sequence[SamplingParams]) -> Tensor:
