@@ -119,12 +119,30 @@ def apply_config_kernels(model: nn.Module, process_group: dist.ProcessGroup | No
 set_kernel_step(apply_config_kernels)
 
 
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
 def _replace(model: nn.Module, match: Callable[[nn.Module], bool], build: Callable[[nn.Module], nn.Module]) -> int:
-    """Replace every submodule for which ``match`` holds by ``build(module)``; returns how many."""
+    """Replace every submodule for which ``match`` holds by ``build(module)``; returns how many.
+
+    The replacement takes over the original's forward hooks (those of a tensor-parallel plan applied before the
+    kernels: ``SequenceParallel`` on a norm, ``PrepareModuleInput`` on an MLP), so the swap keeps the layout."""
     targets = [name for name, module in model.named_modules() if name and match(module)]
     for name in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, build(model.get_submodule(name)))
+        old = model.get_submodule(name)
+        new = build(old)
+        for attr in _HOOK_DICTS:
+            hooks = getattr(old, attr, None)
+            if hooks:
+                getattr(new, attr).update(hooks)
+        setattr(model.get_submodule(parent_name), child, new)
     return len(targets)
 
 
@@ -327,13 +345,16 @@ def _hf_causal_lm_forward(
     hidden = outputs.last_hidden_state  # (B, T, H)
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]  # transformers' ForCausalLMLoss shift
+    from lightning_llmopt.layers.shards import vocab_operands
+
     opts = self._llmopt_fused_ce
+    hidden, weight, group = vocab_operands(hidden, self.lm_head.weight)  # tensor parallelism: the local shards
     loss = fused_linear_cross_entropy(
         hidden,
-        self.lm_head.weight,
+        weight,
         shift_labels.to(hidden.device),
         reduction="sum" if num_items is not None else "mean",
-        process_group=opts["process_group"],
+        process_group=group if group is not None else opts["process_group"],
         backend=opts["backend"],
     )
     if num_items is not None:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_llmopt.kernels.fused_linear_ce import fused_linear_cross_entropy
+from lightning_llmopt.layers.shards import vocab_operands
 
 __all__ = ["FusedLinearCrossEntropy"]
 
@@ -24,6 +25,11 @@ class FusedLinearCrossEntropy(nn.Module):
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
     Shapes: ``hidden`` ``(..., H)``, ``weight`` ``(V_local, H)``, ``labels`` ``hidden.shape[:-1]`` -> fp32 scalar.
+
+    Under tensor parallelism (:func:`~lightning_llmopt.layers.shards.vocab_operands`) the head's weight is a DTensor
+    sharded on the vocabulary: the loss runs on the local slice with that mesh's group (vocab-parallel: per chunk the
+    max and the sum of exponentials are all-reduced, the full logits never exist); hidden states that are sequence
+    shards (sequence parallelism) are gathered first. ``labels`` are the full rows on every rank.
     """
 
     def __init__(
@@ -39,6 +45,7 @@ class FusedLinearCrossEntropy(nn.Module):
         self.process_group, self.backend = process_group, backend
 
     def forward(self, hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int | None = None) -> Tensor:
+        hidden, weight, group = vocab_operands(hidden, weight)
         return fused_linear_cross_entropy(
             hidden,
             weight,
@@ -46,7 +53,7 @@ class FusedLinearCrossEntropy(nn.Module):
             ignore_index=self.ignore_index if ignore_index is None else ignore_index,
             reduction=self.reduction,
             chunk_size=self.chunk_size,
-            process_group=self.process_group,
+            process_group=group if group is not None else self.process_group,
             backend=self.backend,
         )
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from lightning_llmopt.kernels.fused_common import autocast_dtype
 from lightning_llmopt.kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_residual
+from lightning_llmopt.layers.shards import norm_operands
 from lightning_llmopt.models.llama import RMSNorm
 
 __all__ = ["FusedRMSNorm"]
@@ -26,8 +27,15 @@ class FusedRMSNorm(RMSNorm):
             would cast to that dtype anyway, so the fp32 output and its cast are skipped.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see :mod:`lightning_llmopt.kernels.fused_common`).
 
+    Under tensor parallelism the kernel runs on the local shard (:func:`~lightning_llmopt.layers.shards.
+    norm_operands`): DTensor inputs keep their layout on the output; for plain-tensor inputs with a DTensor weight,
+    :attr:`sequence_parallel` (set by :func:`~lightning_llmopt.parallel.fused.apply_kernels`) says whether they are
+    sequence shards, which makes the weight's gradient ``Partial`` (summed over ``tp`` after backward).
+
     Shapes: ``(..., dim)`` -> ``(..., dim)``.
     """
+
+    sequence_parallel: bool | None = None
 
     def __init__(
         self, dim: int, eps: float = 1e-5, *, cast_to_autocast: bool = True, backend: str | None = None
@@ -43,21 +51,26 @@ class FusedRMSNorm(RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         out_dtype = autocast_dtype(x.device.type) if self.cast_to_autocast else None
-        return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype, backend=self.backend)
+        (x,), weight, wrap = norm_operands((x,), self.weight, self.sequence_parallel)
+        return wrap(rms_norm(x, weight, self.eps, out_dtype=out_dtype, backend=self.backend))
 
     def forward_add(self, x: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
         """``(h, self(h))`` with ``h = x + r``, in one pass each way (:func:`~lightning_llmopt.kernels.rmsnorm.
         add_rms_norm`): the residual add of a pre-norm block and the norm after it. ``TransformerBlock`` uses it for
         its ``ffn_norm``."""
         out_dtype = autocast_dtype(x.device.type) if self.cast_to_autocast else None
-        return add_rms_norm(x, r, self.weight, self.eps, out_dtype=out_dtype, backend=self.backend)
+        (x, r), weight, wrap = norm_operands((x, r), self.weight, self.sequence_parallel)
+        h, normed = add_rms_norm(x, r, weight, self.eps, out_dtype=out_dtype, backend=self.backend)
+        return wrap(h), wrap(normed)
 
     def forward_residual(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(x, self(x))`` with ``x`` passed through (:func:`~lightning_llmopt.kernels.rmsnorm.rms_norm_residual`):
         use the returned ``x`` for the residual stream, and its gradient joins the norm's input gradient in the norm's
         backward kernel. ``TransformerBlock`` uses it for its ``attention_norm``."""
         out_dtype = autocast_dtype(x.device.type) if self.cast_to_autocast else None
-        return rms_norm_residual(x, self.weight, self.eps, out_dtype=out_dtype, backend=self.backend)
+        (x,), weight, wrap = norm_operands((x,), self.weight, self.sequence_parallel)
+        x, normed = rms_norm_residual(x, weight, self.eps, out_dtype=out_dtype, backend=self.backend)
+        return wrap(x), wrap(normed)
 
     @classmethod
     def from_module(cls, module: Any, *, cast_to_autocast: bool = True, backend: str | None = None) -> FusedRMSNorm:

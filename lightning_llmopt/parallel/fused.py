@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_llmopt.optimize import apply_config_kernels
 
-__all__ = ["apply_kernels", "fused_modules"]
+__all__ = ["apply_kernels", "check_kernels", "fused_modules"]
 
 
 def fused_modules(model: nn.Module) -> list[str]:
@@ -35,20 +35,44 @@ def fused_modules(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def apply_kernels(model: nn.Module, tp_mesh: Any = None, sequence_parallel: bool = False) -> nn.Module:
-    """Swap in the kernels ``model.config.fused_kernels`` names and tell every fused module its shard's layout.
+def check_kernels(model: nn.Module, kernels: list[str]) -> None:
+    """Raise ``ValueError`` (no collective) if ``kernels`` cannot be swapped into ``model``: it must be our ``Llama``
+    or a transformers model of a family :func:`~lightning_llmopt.optimize.optimize_model` patches."""
+    from lightning_llmopt.models.llama import Llama
+    from lightning_llmopt.optimize import HF_MODEL_TYPES
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model, Llama) and model_type not in HF_MODEL_TYPES:
+        raise ValueError(
+            f"fused_kernels ({kernels}) can be swapped into lightning_llmopt Llama models and transformers models of "
+            f"type {HF_MODEL_TYPES}; got {type(model).__name__} (model_type {model_type!r})"
+        )
+
+
+def apply_kernels(
+    model: nn.Module, tp_mesh: Any = None, sequence_parallel: bool = False, kernels: list[str] | None = None
+) -> nn.Module:
+    """Swap in the fused kernels and tell every fused module its shard's layout.
 
     Arguments:
         model: a decoder after :func:`~lightning_llmopt.parallel.tensor_parallel.apply_tp` and
-            :func:`~lightning_llmopt.parallel.context_parallel.apply_cp` (or unsharded).
+            :func:`~lightning_llmopt.parallel.context_parallel.apply_cp` (or unsharded): our ``Llama`` or a
+            transformers family :func:`~lightning_llmopt.optimize.optimize_model` supports.
         tp_mesh: the 1-D tensor-parallel mesh the model was sharded over (``None`` without tensor parallelism).
         sequence_parallel: the model was sharded with sequence parallelism.
+        kernels: names of :data:`~lightning_llmopt.models.config.FUSED_KERNELS` (``None``: the model config's
+            ``fused_kernels``, if it has that field).
 
-    Returns ``model`` (changed in place).
+    Returns ``model`` (changed in place; kernels already in place are kept).
     """
     from lightning_llmopt.layers.norms import FusedRMSNorm
+    from lightning_llmopt.optimize import FUSED_KERNELS, optimize_model
 
-    apply_config_kernels(model)
+    if kernels is None:
+        apply_config_kernels(model)
+    elif kernels:
+        on = [name in kernels for name in FUSED_KERNELS]
+        optimize_model(model, rmsnorm=on[0], rope=on[1], swiglu=on[2], fused_ce=on[3])
     if tp_mesh is None or tp_mesh.size() == 1:
         return model
     for module in model.modules():

@@ -1,4 +1,5 @@
-"""N-D parallelism in one call: TP -> CP -> activation checkpointing -> compile -> ZeRO, over one ``DeviceMesh``.
+"""N-D parallelism in one call: TP -> CP -> kernels -> activation checkpointing -> compile -> ZeRO, over one
+``DeviceMesh``.
 
 Framework-free (no Lightning). For a model (or a container such as a LightningModule holding models):
 
@@ -6,8 +7,9 @@ Framework-free (no Lightning). For a model (or a container such as a LightningMo
    Ulysses heads; ZeRO stage against the layout; combinations not available yet) raises ``ValueError``
    naming the values, before any collective;
 2. :func:`parallelize`: tensor (+ sequence) parallelism over ``mesh["tp"]``, context parallelism over ``mesh["cp"]``,
-   activation checkpointing, ``torch.compile`` of each block, then ZeRO-3 (FSDP2 ``fully_shard`` of every block and the
-   root) over ``mesh["dp_cp"]`` when ``zero_stage == 3``;
+   the fused kernels on the shards (:func:`~lightning_llmopt.parallel.fused.apply_kernels`), activation
+   checkpointing, ``torch.compile`` of each block, then ZeRO-3 (FSDP2 ``fully_shard`` of every block and the root,
+   with the model's other entry points registered: ``Llama.loss``) over ``mesh["dp_cp"]`` when ``zero_stage == 3``;
 3. :func:`materialize`: meta-device models get their (local) storage and initialisation, then replicas are made
    equal (parameters replicated over ``"tp"``; everything over ``"dp_cp"`` without ZeRO-3);
 4. after each backward, :func:`sync_gradients`: ``Partial`` gradients of replicated weights are reduced (when FSDP2 does
@@ -27,7 +29,7 @@ from torch import nn
 
 from lightning_llmopt.parallel.context_parallel import CP_MODES, ContextParallelAttention, apply_cp, validate_cp
 from lightning_llmopt.parallel.data_parallel import all_reduce_gradients, broadcast_parameters
-from lightning_llmopt.parallel.fused import apply_kernels, fused_modules
+from lightning_llmopt.parallel.fused import apply_kernels, check_kernels
 from lightning_llmopt.parallel.mesh import ParallelDims
 from lightning_llmopt.parallel.tensor_parallel import apply_tp, check_plan_paths, reduce_partial_grads, validate_tp
 from lightning_llmopt.parallel.tp_plans import FAMILIES, ModelFamily
@@ -51,6 +53,9 @@ class NDConfig:
         compile: ``torch.compile`` each block.
         zero_stage: 0 (gradients all-reduced, replicated optimizer state), 1/2 (our engine, no TP), 3 (FSDP2).
         reshard_after_forward, param_dtype, reduce_dtype, offload_parameters: FSDP2 options (stage 3).
+        fused_kernels: kernels the plan swaps into every decoder after TP and CP (names of
+            :data:`~lightning_llmopt.models.config.FUSED_KERNELS` or ``"all"``; transformers models too); ``None``:
+            what each model's config names (``LlamaConfig.fused_kernels``).
     """
 
     sequence_parallel: bool = True
@@ -65,8 +70,13 @@ class NDConfig:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     offload_parameters: bool = False
+    fused_kernels: list[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.fused_kernels is not None:
+            from lightning_llmopt.models.config import _check_fused_kernels
+
+            self.fused_kernels = _check_fused_kernels(self.fused_kernels)
         if self.context_parallel_mode not in CP_MODES:
             raise ValueError(f"context_parallel_mode ({self.context_parallel_mode!r}) must be one of {CP_MODES}")
         if self.ring_impl not in ("auto", "flash", "reference"):
@@ -137,6 +147,14 @@ def validate(module: nn.Module, dims: ParallelDims, config: NDConfig) -> list[nn
             f"tensor_parallel ({dims.tp}) / context_parallel ({dims.cp}) need a known decoder in "
             f"{type(module).__name__}; known families: {[f.name for f in FAMILIES]}"
         )
+    if config.fused_kernels:
+        if not models:
+            raise ValueError(
+                f"fused_kernels ({config.fused_kernels}) are swapped into a known decoder, and {type(module).__name__} "
+                f"holds none; known families: {[f.name for f in FAMILIES]}"
+            )
+        for model in models:
+            check_kernels(model, config.fused_kernels)
     for model in models:
         family = _family(model)
         assert family is not None
@@ -144,13 +162,6 @@ def validate(module: nn.Module, dims: ParallelDims, config: NDConfig) -> list[nn
         validate_tp(shape, dims.tp)
         if dims.tp > 1:
             check_plan_paths(model, family)
-        fused = [name for name in fused_modules(model) if name != "FusedRotary"]
-        if dims.tp > 1 and fused:
-            raise ValueError(
-                f"fused kernel modules ({fused}) take plain tensors, not the DTensors "
-                f"of tensor_parallel ({dims.tp}); build the model without fused_kernels (the fused "
-                "rotary embedding is fine)"
-            )
         if dims.cp > 1:
             if family.name != "llmopt-llama":
                 raise NotImplementedError(
@@ -214,7 +225,7 @@ def _blocks(model: nn.Module, family: ModelFamily) -> list[nn.Module]:
 
 
 def parallelize(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDConfig) -> Parallelized:
-    """Apply TP -> CP -> AC -> compile -> ZeRO-3 in place (see the module docstring); ``mesh`` is from
+    """Apply TP -> CP -> kernels -> AC -> compile -> ZeRO-3 in place (see the module docstring); ``mesh`` is from
     :func:`~lightning_llmopt.parallel.mesh.build_mesh`."""
     from lightning_llmopt.parallel.activation_checkpointing import apply_activation_checkpointing
 
@@ -234,7 +245,9 @@ def parallelize(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDConf
                 ring_impl=config.ring_impl,
                 tensor_parallel=dims.tp,
             )
-        apply_kernels(model, mesh["tp"] if dims.tp > 1 else None, sequence_parallel=config.sequence_parallel)
+        apply_kernels(
+            model, mesh["tp"] if dims.tp > 1 else None, config.sequence_parallel, kernels=config.fused_kernels
+        )
         if dims.ep > 1:
             from lightning_llmopt.parallel.expert_parallel import apply_expert_parallel
 

@@ -47,6 +47,7 @@ from lightning_llmopt.parallel.pipeline_tp import TPStageBoundary
 
 __all__ = [
     "SCHEDULES",
+    "HiddenStage",
     "PipelineConfig",
     "PipelineRunner",
     "pipeline_grad_norm",
@@ -168,11 +169,6 @@ def validate_pipeline(model: nn.Module, config: PipelineConfig, seq_len: int | N
         )
     if getattr(cfg, "moe", None) is not None:
         raise ValueError(f"pipeline_parallel ({config.pp}) with Mixture-of-Experts layers is not supported yet")
-    if getattr(model, "fused_loss", None) is not None:
-        raise ValueError(
-            f"pipeline_parallel ({config.pp}) computes the loss from the head's output; "
-            "build the model without the fused linear + cross-entropy kernel"
-        )
     assert config.virtual_stages is not None
     return split_stages(
         cfg,
@@ -225,13 +221,36 @@ def _view(model: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module
     return view
 
 
+class HiddenStage(nn.Module):
+    """The last stage of a model whose loss is fused (``model.fused_loss``): returns the final-norm hidden states
+    ``(B, T, dim)`` (the model's ``hidden_states``, an entry point FSDP2 hooks like ``forward``); the head's weight
+    and the fused linear + cross-entropy are applied by the loss on that stage
+    (:meth:`PipelineRunner.fused_head`), so the ``(B, T, vocab)`` logits never exist.
+
+    Arguments:
+        model: the stage's model (the pruned model, or a view of it with ``V > 1``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.stage_model = model
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, doc_ids: Tensor | None = None) -> Tensor:
+        return self.stage_model.hidden_states(tokens, positions=positions, doc_ids=doc_ids)  # type: ignore[operator]
+
+
 def stage_modules(model: nn.Module, split: StageSplit, pp_rank: int) -> dict[int, nn.Module]:
-    """``{stage index: module}`` for this rank's stages of an already pruned (and materialised) model."""
+    """``{stage index: module}`` for this rank's stages of an already pruned (and materialised) model; with a fused
+    loss the last stage is a :class:`HiddenStage`."""
     local = split.local_stages(pp_rank)
-    if len(local) == 1:
-        return {local[0]: model}
     last = split.num_stages - 1
-    return {s: _view(model, range(*split.ranges[s]), s == 0, s == last) for s in local}
+    if len(local) == 1:
+        modules = {local[0]: model}
+    else:
+        modules = {s: _view(model, range(*split.ranges[s]), s == 0, s == last) for s in local}
+    if last in modules and getattr(model, "fused_loss", None) is not None:
+        modules[last] = HiddenStage(modules[last])
+    return modules
 
 
 # ------------------------------------------------------------------ gradient norm
@@ -290,6 +309,9 @@ class PipelineRunner(PipelineForwardMixin):
     ) -> None:
         self.modules, self.split, self.config, self.group, self.device = modules, split, config, group, device
         self.boundary = boundary
+        last = modules.get(split.num_stages - 1)
+        # the last stage returns hidden states: the head runs in the loss (training) or after the stage (forward)
+        self.fused_head: nn.Module | None = last.stage_model if isinstance(last, HiddenStage) else None
         if boundary is not None:
             boundary.install(modules, split)
         self.pp_rank = dist.get_rank(group)

@@ -39,6 +39,7 @@ class PipelineForwardMixin:
     device: torch.device
     boundary: TPStageBoundary | None
     pp_rank: int
+    fused_head: nn.Module | None
 
     @property
     def has_first(self) -> bool:
@@ -64,6 +65,18 @@ class PipelineForwardMixin:
         dist.recv(t, self._global(src), group=self.group)
         return t
 
+    def _logits(self, h: Tensor) -> Tensor:
+        """The head on the hidden states of a :class:`~lightning_llmopt.parallel.pipeline.HiddenStage` (the last
+        stage of a model with a fused loss); under tensor parallelism as the stage output hook would return it."""
+        model: Any = self.fused_head
+        if self.boundary is not None:
+            h = self.boundary.wrap(h)  # the hidden states' own layout (sequence-sharded under SP)
+        logits = model.output(h)
+        if self.boundary is not None:
+            local = self.boundary._local_output(model.output, (h,), logits)
+            logits = logits if local is None else local
+        return logits
+
     @torch.no_grad()
     def forward(self, batch: dict[str, Tensor]) -> Any:
         """Forward-only pass of the whole batch through every stage; the last stage's output (e.g. logits
@@ -80,6 +93,8 @@ class PipelineForwardMixin:
             else:
                 x = h if ranks[s - 1] == self.pp_rank and h is not None else self._recv(ranks[s - 1])
             h = self.modules[s](x, **kwargs)
+            if s == self.split.num_stages - 1 and self.fused_head is not None:
+                h = self._logits(h)
             if s + 1 < self.split.num_stages and ranks[s + 1] != self.pp_rank:
                 self._send(h, ranks[s + 1])
         last = ranks[-1]

@@ -57,7 +57,8 @@ class TPStageBoundary:
         last = split.num_stages - 1
         for s, module in modules.items():
             if s > 0 and self.sequence_parallel and self.tp > 1:
-                blocks: Any = module.get_submodule("layers")
+                model = getattr(module, "stage_model", module)  # a HiddenStage holds the stage's model
+                blocks: Any = model.get_submodule("layers")
                 first_block = blocks[str(split.ranges[s][0])]
                 module.register_forward_pre_hook(self._full_length)
                 first_block.register_forward_pre_hook(self._first_copy)

@@ -36,7 +36,7 @@ from lightning_llmopt.parallel.loss_scaler import DynamicLossScaler
 from lightning_llmopt.parallel.mesh import ParallelDims, positive_int
 from lightning_llmopt.parallel.parallelize import NDConfig, Parallelized, sync_gradients
 from lightning_llmopt.parallel.pipeline import PipelineConfig, PipelineRunner, prune_to_stages
-from lightning_llmopt.strategies.nd_pipeline import PipelineSteps, check_pipeline_combination
+from lightning_llmopt.strategies.nd_pipeline import PipelineSteps, check_pipeline_combination, default_zero_stage
 from lightning_llmopt.strategies.nd_precision import NDPrecision
 from lightning_llmopt.strategies.nd_setup import parallelize_model, pipeline_runner, pipeline_split
 from lightning_llmopt.strategies.nd_setup import user_parallelized as _user_parallelized
@@ -70,7 +70,9 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
             needs ``LlamaConfig(moe=...)`` and ``zero_stage`` 0 or 3; composes with tensor parallelism, where each
             tensor-parallel rank routes its slice of the sequence; not with CP or PP so far).
         zero_stage: 0 (gradients all-reduced over ``dp*cp``, optimizer state replicated), 1/2 (our ZeRO engine;
-            not with tensor parallelism), 3 (FSDP2 over ``dp*cp``, 2-D with tensor parallelism).
+            not with tensor parallelism), 3 (FSDP2 over ``dp*cp``, 2-D with tensor parallelism). ``None`` (default):
+            3, except with a pipeline schedule of several stages per rank (interleaved, zero bubble, zbv, dualpipev),
+            which FSDP2 does not wrap: 2 there, or 0 with tensor parallelism (:func:`default_zero_stage`).
         sequence_parallel: with TP, shard norms and residuals on the sequence.
         loss_parallel: with TP, compute the loss from vocabulary-sharded logits (``CausalLMModule`` does it through
             :func:`~lightning_llmopt.parallel.vocab_parallel.vocab_parallel_cross_entropy`; other modules call it).
@@ -79,6 +81,9 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         compile: ``torch.compile`` each transformer block.
         ring_impl: ring-attention block kernels: ``"auto"``, ``"flash"`` or ``"reference"``.
         offload_parameters, reshard_after_forward: FSDP2 options (stage 3).
+        fused_kernels: fused kernels swapped into every decoder after TP and CP (``"all"`` or names of
+            :data:`~lightning_llmopt.models.config.FUSED_KERNELS`; transformers Llama/Mistral/Qwen too); ``None``:
+            those the model's config names (``LlamaConfig.fused_kernels``). They run on each rank's shards.
         **kwargs: :class:`ZeroStrategy` options (``bucket_size_mb``, ``reduce_dtype``, ``checkpoint_keep_last``,
             ``offload_optimizer``, ``start_method``, ``cluster_environment``, ``process_group_backend``, ...).
 
@@ -96,7 +101,7 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         context_parallel: int = 1,
         pipeline_parallel: int = 1,
         expert_parallel: int = 1,
-        zero_stage: int = 3,
+        zero_stage: int | None = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         context_parallel_mode: str = "ring",
@@ -110,6 +115,7 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         virtual_stages: int | None = None,
         pipeline_split: str = "layers",
         pipeline_balance_ends: bool = False,
+        fused_kernels: list[str] | str | None = None,
         **kwargs: Any,
     ) -> None:
         if data_parallel != "auto":
@@ -129,9 +135,20 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
             split=pipeline_split,
             balance_ends=pipeline_balance_ends,
         )
+        if zero_stage is None:
+            zero_stage = default_zero_stage(
+                pipeline_parallel, self.pipeline_config.virtual_stages or 1, tensor_parallel
+            )
         if pipeline_parallel > 1:
-            check_pipeline_combination(pipeline_parallel, tensor_parallel, context_parallel, expert_parallel,
-                                        zero_stage, self.pipeline_config.virtual_stages or 1, compile)
+            check_pipeline_combination(
+                pipeline_parallel,
+                tensor_parallel,
+                context_parallel,
+                expert_parallel,
+                zero_stage,
+                self.pipeline_config.virtual_stages or 1,
+                compile,
+            )
         self._degrees: dict[str, Any] = {
             "data_parallel": data_parallel,
             "tensor_parallel": tensor_parallel,
@@ -149,6 +166,7 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
             zero_stage=zero_stage,
             reshard_after_forward=reshard_after_forward,
             offload_parameters=offload_parameters,
+            fused_kernels=fused_kernels,  # type: ignore[arg-type]  # a name list or "all"; NDConfig checks it
         )
         super().__init__(
             stage=zero_stage if zero_stage else 3,
@@ -241,8 +259,10 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         if self.dims.pp > 1 and not (self._pipeline is not None and self._pipeline_owner is module):
             # (a later fit/validate/test of the same trainer reuses the stages an earlier one split and parallelised)
             if _user_parallelized(module):
-                raise ValueError(f"pipeline_parallel ({self.dims.pp}) needs an unparallelised model from "
-                                 "configure_model; the strategy splits it into stages")
+                raise ValueError(
+                    f"pipeline_parallel ({self.dims.pp}) needs an unparallelised model from "
+                    "configure_model; the strategy splits it into stages"
+                )
             pipelined = self._split_pipeline(module)
         if not _user_parallelized(module):
             precision = str(getattr(self.precision_plugin, "precision", ""))
@@ -282,10 +302,16 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         assert self.lightning_module is not None
         wrapped = []
         for opt in self.optimizers:
-            zero = apply_zero(self.lightning_module, opt, stage=self.stage, bucket_size_mb=self.bucket_size_mb,
-                              master_dtype=torch.float32, reduce_dtype=self.reduce_dtype,
-                              offload_optimizer=self.offload_optimizer,
-                              process_group=self._device_mesh["dp_cp"].get_group())
+            zero = apply_zero(
+                self.lightning_module,
+                opt,
+                stage=self.stage,
+                bucket_size_mb=self.bucket_size_mb,
+                master_dtype=torch.float32,
+                reduce_dtype=self.reduce_dtype,
+                offload_optimizer=self.offload_optimizer,
+                process_group=self._device_mesh["dp_cp"].get_group(),
+            )
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is opt:
                     _repoint_scheduler(config.scheduler, zero.optimizer)

@@ -23,7 +23,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["LogCapture", "PipelineSteps", "Replay", "check_pipeline_combination", "model_path", "replaced", "take_rows"]
+__all__ = [
+    "FusedReplay",
+    "LogCapture",
+    "PipelineSteps",
+    "Replay",
+    "check_pipeline_combination",
+    "default_zero_stage",
+    "model_path",
+    "replaced",
+    "take_rows",
+]
 
 
 class Replay(nn.Module):
@@ -35,6 +45,44 @@ class Replay(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.output
+
+
+class FusedReplay(nn.Module):
+    """Stands in for a model whose last pipeline stage returned its final-norm hidden states (a fused loss, see
+    :class:`~lightning_llmopt.parallel.pipeline.HiddenStage`): :meth:`loss` runs the model's fused linear +
+    cross-entropy on them with the head's weight (``Llama.loss``'s signature, so ``CausalLMModule.train_loss`` takes
+    it), and calling it returns the head's logits.
+
+    Arguments:
+        hidden: the last stage's output for the micro-batch ``(B/M, T, dim)``.
+        model: the last stage's model (its ``output`` head and ``fused_loss``).
+    """
+
+    def __init__(self, hidden: Any, model: nn.Module) -> None:
+        super().__init__()
+        self.hidden = hidden
+        object.__setattr__(self, "_model", model)  # not a submodule: the stand-in owns no parameters
+
+    @property
+    def output(self) -> Any:
+        return self._model.output  # type: ignore[attr-defined]
+
+    @property
+    def fused_loss(self) -> Any:
+        return self._model.fused_loss  # type: ignore[attr-defined]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output(self.hidden)
+
+    def loss(
+        self,
+        tokens: Tensor,
+        labels: Tensor,
+        positions: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        ignore_index: int = -100,
+    ) -> Tensor:
+        return self.fused_loss(self.hidden, self.output.weight, labels, ignore_index=ignore_index)
 
 
 def model_path(container: nn.Module, model: nn.Module) -> str:
@@ -137,14 +185,17 @@ class PipelineSteps:
         batch = args[0] if args else kwargs.pop("batch")
         rest = args[1:]
         if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
-            raise TypeError(f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got "
-                            f"{type(batch).__name__}")
+            raise TypeError(
+                f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got {type(batch).__name__}"
+            )
         rows_total = batch["input_ids"].shape[0]
         capture = LogCapture()
 
         def loss_fn(output: Any, rows: Tensor) -> Tensor:
             micro = take_rows(batch, rows, rows_total)
-            with replaced(module, self._pipeline_model, Replay(output)), capture.capturing(module):
+            head = self._pipeline.fused_head
+            stand_in = Replay(output) if head is None else FusedReplay(output, head)
+            with replaced(module, self._pipeline_model, stand_in), capture.capturing(module):
                 out = module.training_step(micro, *rest, **kwargs)
             loss = out.get("loss") if isinstance(out, dict) else out
             if not isinstance(loss, Tensor):
@@ -182,6 +233,7 @@ class PipelineSteps:
 
     def _skip_next_zero_grad(self) -> None:
         for opt in self.optimizers:
+
             def skip(*args: Any, _opt: Any = opt, **kwargs: Any) -> None:
                 del _opt.zero_grad  # one call only: the class's method is back
 
@@ -197,8 +249,9 @@ class PipelineSteps:
         assert module is not None and self._pipeline is not None
         batch = args[0] if args else kwargs["batch"]
         if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
-            raise TypeError(f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got "
-                            f"{type(batch).__name__}")
+            raise TypeError(
+                f"pipeline parallelism needs dict batches with an 'input_ids' (B, T) tensor, got {type(batch).__name__}"
+            )
         output = self._pipeline.forward(batch)
         with replaced(module, self._pipeline_model, Replay(output)):
             return getattr(module, hook)(*args, **kwargs)
@@ -222,8 +275,18 @@ class PipelineSteps:
             return self._pipelined_eval("predict_step", *args, **kwargs)
 
 
-def check_pipeline_combination(pp: int, tp: int, cp: int, ep: int, zero_stage: int, virtual_stages: int,
-                                compile: bool) -> None:
+def default_zero_stage(pp: int, virtual_stages: int, tp: int) -> int:
+    """The ZeRO stage when the user names none: 3 (FSDP2), except with several pipeline stages per rank, which FSDP2
+    cannot wrap (:func:`check_pipeline_combination`): there our ZeRO-2 engine, or stage 0 (gradients all-reduced)
+    under tensor parallelism, which the engine's flat buffers do not take."""
+    if pp > 1 and virtual_stages > 1:
+        return 0 if tp > 1 else 2
+    return 3
+
+
+def check_pipeline_combination(
+    pp: int, tp: int, cp: int, ep: int, zero_stage: int, virtual_stages: int, compile: bool
+) -> None:
     """Layouts pipeline parallelism does not compose with yet; named errors in ``__init__``."""
     if cp > 1 or ep > 1:
         raise NotImplementedError(

@@ -25,8 +25,6 @@ if "_nd_jobs" not in sys.modules:
     _spec.loader.exec_module(_module)
 J: Any = sys.modules["_nd_jobs"]
 
-FUSED = {"model_overrides": {"fused_kernels": ["all"]}}
-
 
 class GradRecorder(L.Callback):
     """The full gradient of every parameter before each optimizer step (flattened in name order, fp64)."""
@@ -45,7 +43,17 @@ class GradRecorder(L.Callback):
             if isinstance(g, DTensor):
                 g = g.redistribute(g.device_mesh, [_replicate()] * g.device_mesh.ndim).to_local()
             grads[name] = g.detach().double().clone()
-        self.grads.append(grads)
+        if grads:  # none under ZeRO-1/2 pipelines: the engine keeps them in its flat shards
+            self.grads.append(grads)
+
+
+class FusedHFModule(J.HFModule):
+    """``_nd_jobs.HFModule`` whose step passes the labels (already shifted: ``shift_labels``), so a model patched by
+    ``optimize_model`` takes its fused linear + cross-entropy; unpatched, transformers' own loss is the same mean."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        labels = batch["labels"]
+        return self.model(input_ids=batch["input_ids"], labels=labels, shift_labels=labels).loss
 
 
 def _replicate() -> Any:
@@ -96,12 +104,23 @@ def run(config: dict[str, Any], init_path: str, backend: str | None = None) -> d
     try:
         grads = GradRecorder()
         config = dict(config)
-        config["module_kwargs"] = {**FUSED, **config.get("module_kwargs", {})} if config.pop("fused", True) else None
+        overrides = dict(config.pop("overrides", {}))  # model_overrides of both sides (e.g. n_layers)
+        if config.pop("fused", True):
+            overrides["fused_kernels"] = ["all"]
+        config["module_kwargs"] = {"model_overrides": overrides}
         if "zero" in config:
             recorder, trainer = fit_zero(config["zero"], init_path, [grads], config["module_kwargs"])
+        elif config.get("hf"):
+            config.pop("module_kwargs")
+            plain, J.HFModule = J.HFModule, FusedHFModule  # the same fit, with the module above
+            try:
+                recorder, trainer = J.fit(init_path=init_path, callbacks=[grads], **config)
+            finally:
+                J.HFModule = plain
         else:
             recorder, trainer = J.fit(init_path=init_path, callbacks=[grads], **config)
         out = J.summary(recorder, trainer)
+        out["fused"] = dict(getattr(trainer.lightning_module.model, "llmopt_fused", {}))  # what was swapped in
         steps = grads.grads
         if getattr(getattr(trainer.strategy, "dims", None), "pp", 1) > 1:
             steps = [J.union_over_ranks(g) for g in steps]
@@ -115,11 +134,34 @@ def run(config: dict[str, Any], init_path: str, backend: str | None = None) -> d
                 os.environ["LLMOPT_FUSED_BACKEND"] = old
 
 
-def parity_job(init_path: str, configs: list[dict[str, Any]], backend: str | None = None) -> list[dict[str, Any]]:
+def parity_job(
+    init_paths: dict[str, str], configs: list[dict[str, Any]], backend: str | None = None
+) -> list[dict[str, Any]]:
     out = []
     for config in configs:
-        result = run(config, init_path, backend)
+        config = dict(config)
+        init = config.pop("init", "hf" if config.get("hf") else "llmopt")
+        result = run(config, init_paths[init], backend)
         result.pop("start_params", None)
         out.append(result)
     dist.barrier()
     return out
+
+
+def validate_job(
+    init_path: str, nd: dict[str, Any] | None, overrides: dict[str, Any], fused: bool = True
+) -> dict[str, float]:
+    """``_nd_jobs.validate`` (``Trainer.validate`` on packed rows) of the model with ``overrides`` (and the fused
+    kernels)."""
+    plain = J.Module
+    kernels = {"fused_kernels": ["all"]} if fused else {}
+
+    class FusedModule(plain):  # type: ignore[misc, valid-type]
+        def __init__(self, init_path: str | None = None) -> None:
+            super().__init__(init_path=init_path, model_overrides={**overrides, **kernels})
+
+    J.Module = FusedModule
+    try:
+        return J.validate(nd, init_path)
+    finally:
+        J.Module = plain
