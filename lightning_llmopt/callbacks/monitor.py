@@ -101,7 +101,8 @@ class TrainingMonitor(L.Callback):
 
             norm = grad_norm(params)
         else:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params]))
+            grads = [p.grad for p in params if p.grad is not None]  # all of them: params was filtered above
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         pl_module.log("train/grad_norm", norm)
 
     @override

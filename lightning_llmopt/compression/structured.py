@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from lightning_llmopt.models.llama import Attention, FeedForward, Llama
+from lightning_llmopt.models.llama import Attention, FeedForward, Llama, TransformerBlock
 
 
 @dataclass
@@ -40,8 +41,8 @@ class StructuredPlan:
     ffn_hidden_dim: int
 
 
-def _blocks(model: Llama) -> dict[int, nn.Module]:
-    return {int(k): b for k, b in model.layers.items()}
+def _blocks(model: Llama) -> dict[int, TransformerBlock]:
+    return {int(k): cast(TransformerBlock, b) for k, b in model.layers.items()}
 
 
 def head_scores(attn: Attention) -> Tensor:
@@ -92,9 +93,10 @@ def plan_structured(
             raise ValueError(f"{name} ({value}) must be in [1, {limit}]")
     plan = StructuredPlan({}, {}, {}, n_kv, rep, ffn)
     for i, block in _blocks(model).items():
-        if not isinstance(block.feed_forward, FeedForward):
+        feed = block.feed_forward
+        if not isinstance(feed, FeedForward):
             raise ValueError(f"block {i}: structured pruning supports dense SwiGLU blocks only (found MoE)")
-        hs, cs = scores[i] if scores is not None else (head_scores(block.attention), channel_scores(block.feed_forward))
+        hs, cs = scores[i] if scores is not None else (head_scores(block.attention), channel_scores(feed))
         groups = hs.view(cfg.n_kv_heads, cfg.n_rep)  # (H_kv, n_rep)
         kv = _topk_sorted(groups.sum(1), n_kv)
         plan.kv_heads[i] = kv
@@ -107,7 +109,7 @@ def plan_structured(
 def mask_structured(model: Llama, plan: StructuredPlan) -> None:
     """Zero ``wo`` columns of dropped query heads and ``w2`` columns of dropped channels, in place."""
     for i, block in _blocks(model).items():
-        attn, ffn = block.attention, block.feed_forward
+        attn, ffn = block.attention, cast(FeedForward, block.feed_forward)
         d = attn.head_dim
         keep = torch.zeros(attn.wo.in_features // d, dtype=torch.bool)
         keep[plan.q_heads[i]] = True
@@ -147,7 +149,7 @@ def prune_structured(model: Llama, plan: StructuredPlan) -> Llama:
     assert cfg.head_dim is not None
     d = cfg.head_dim
     for i, block in _blocks(model).items():
-        attn, ffn = block.attention, block.feed_forward
+        attn, ffn = block.attention, cast(FeedForward, block.feed_forward)
         q_rows, kv_rows = _head_rows(plan.q_heads[i], d), _head_rows(plan.kv_heads[i], d)
         attn.wq, attn.wk, attn.wv = _sliced(attn.wq, q_rows), _sliced(attn.wk, kv_rows), _sliced(attn.wv, kv_rows)
         attn.wo = _sliced(attn.wo, cols=q_rows)

@@ -72,7 +72,7 @@ class QualityFilter:
         if self.max_repeated_ngram_fraction is not None and len(words) >= 2 * self.ngram:
             grams = [tuple(words[i : i + self.ngram]) for i in range(len(words) - self.ngram + 1)]
             counts = Counter(grams)
-            covered = set()
+            covered: set[int] = set()
             for i, g in enumerate(grams):
                 if counts[g] > 1:
                     covered.update(range(i, i + self.ngram))

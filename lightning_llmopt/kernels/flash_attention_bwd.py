@@ -22,6 +22,8 @@ visible (no mask arithmetic), and skip invisible tiles. A query row without visi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -315,7 +317,7 @@ def _tuned_kernel(name: str):  # type: ignore[no-untyped-def]
     return _tuned[name]
 
 
-_CHOSEN = {name: ChosenConfigs(lambda name=name: _tuned_kernel(name)) for name in ("dkdv", "dq")}
+_CHOSEN = {name: ChosenConfigs(functools.partial(_tuned_kernel, name)) for name in ("dkdv", "dq")}
 
 
 def _row_stats(lse: Tensor) -> tuple[Tensor, Tensor]:

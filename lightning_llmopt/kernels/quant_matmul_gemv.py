@@ -81,9 +81,9 @@ def _word_code(w, J: tl.constexpr, BITS: tl.constexpr):
         MASK: tl.constexpr = 0xF0000
         MAGIC: tl.constexpr = 0x43000000
     else:
-        SHIFT: tl.constexpr = 15 - 8 * J
-        MASK: tl.constexpr = 0x7F8000
-        MAGIC: tl.constexpr = 0x43800000
+        SHIFT: tl.constexpr = 15 - 8 * J  # type: ignore[no-redef]  # a constexpr per branch (@triton.jit body)
+        MASK: tl.constexpr = 0x7F8000  # type: ignore[no-redef]
+        MAGIC: tl.constexpr = 0x43800000  # type: ignore[no-redef]
     if SHIFT > 0:
         t = w << SHIFT
     elif SHIFT < 0:

@@ -284,8 +284,8 @@ def _destroy_new_groups(dist: Any, before: set[Any]) -> None:
 
         for name in ("mesh_stack", "child_to_root_mapping", "mesh_dim_group_options", "root_to_flatten_mapping",
                      "flatten_name_to_root_dims"):
-            cache = getattr(_mesh_resources, name, None)
-            if hasattr(cache, "clear"):
+            cache: Any = getattr(_mesh_resources, name, None)
+            if cache is not None and hasattr(cache, "clear"):
                 cache.clear()
     except ImportError:
         pass
