@@ -3,6 +3,7 @@ compressed-tensors folders that load back into our model with the codes unchange
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -83,3 +84,21 @@ def test_quantize_lightning_checkpoint_with_rtn(tmp_path: Path) -> None:
     tokens = torch.randint(0, 320, (2, 16))
     with torch.no_grad():
         assert _rel_err(q(tokens), model(tokens)) < 0.01
+
+
+def test_export_keeps_architecture_and_tokenizer(tmp_path: Path) -> None:
+    """A Qwen2-shaped quantized folder re-exported without --arch stays qwen2, with its tokenizer files and
+    generation config; both load back to the same codes."""
+    from lightning_llmopt.data import ByteTokenizer
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_preset("tiny", qkv_bias=True, init_std=0.05)).eval()
+    src = to_hf(model, tmp_path / "hf", tokenizer=ByteTokenizer())
+    ct = quantize_cli.main([str(src), str(tmp_path / "ct"), "--method", "rtn", "--group-size", "32", "--device", "cpu"])
+    out = export_cli.main([str(ct), str(tmp_path / "gptq"), "--format", "gptq"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["quantization_config"]["quant_method"] == "gptq"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_text() == (ct / name).read_text(), name
+    a, b = load_quantized(ct), load_quantized(out)
+    assert torch.equal(a.layers["0"].attention.wq.qweight, b.layers["0"].attention.wq.qweight)
