@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -114,7 +114,7 @@ class ByteTokenizer:
             for i, t in ((self.BOS_ID, "<bos>"), (self.EOS_ID, "<eos>"))
         ]
         byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-        spec = {
+        spec: dict[str, Any] = {
             "version": "1.0",
             "truncation": None,
             "padding": None,
