@@ -173,3 +173,43 @@ def test_transformers_model_matches_unpatched_copy(cls_name: str, extra: dict, m
             atol=ATOL,
             rtol=RTOL,
         )
+
+
+# ---------------------------------------------------------------- the kernel step and the import direction
+
+
+def test_models_import_nothing_above_them():
+    """``models/`` (except the transformers interop, ``hf*.py``, which converts) imports neither ``optimize.py``,
+    ``layers/`` nor ``parallel/``: ``LlamaConfig.fused_kernels`` reaches the kernels through the step that
+    ``optimize.py`` registers (``models.llama.set_kernel_step``), not through an import."""
+    import ast
+    from pathlib import Path
+
+    import lightning_llmopt.models as models
+
+    above = ("lightning_llmopt.optimize", "lightning_llmopt.layers", "lightning_llmopt.parallel")
+    found = []
+    for path in sorted(Path(models.__file__).parent.glob("*.py")):
+        if path.name.startswith("hf"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [f"{path.name}: {n}" for n in names if n.startswith(above)]
+    assert found == []
+
+
+def test_config_kernels_in_a_fresh_process():
+    """``import lightning_llmopt.models`` alone (the package registers the kernel step on import) builds a Llama with
+    its ``fused_kernels`` swapped in."""
+    import subprocess
+    import sys
+
+    code = (
+        "from lightning_llmopt.models import Llama, LlamaConfig\n"
+        "m = Llama(LlamaConfig.from_preset('tiny', fused_kernels='all'))\n"
+        "print(type(m.norm).__name__, type(m.layers['0'].feed_forward).__name__, type(m.fused_loss).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["FusedRMSNorm", "FusedSwiGLUMLP", "FusedLinearCrossEntropy"]

@@ -165,3 +165,21 @@ def validate_job(
         return J.validate(nd, init_path)
     finally:
         J.Module = plain
+
+
+def unknown_layout_job() -> str:
+    """A fused RMSNorm whose weight a user made a replicated DTensor, called with a plain tensor before the kernel
+    step said whether that is a sequence shard: the error names the missing step (no collective runs first)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from lightning_llmopt.layers.norms import FusedRMSNorm
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    norm = FusedRMSNorm(8)
+    norm.weight = torch.nn.Parameter(distribute_tensor(torch.ones(8), mesh, [Replicate()]))
+    try:
+        norm(torch.randn(2, 3, 8))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

@@ -216,3 +216,9 @@ def test_pipeline_validation_applies_the_head(dist_pool: Any, init_paths: dict[s
         assert got.keys() == ref.keys()
         for key in ref:
             assert abs(got[key] - ref[key]) <= 1e-6 * abs(ref[key]), (nd, key, got, ref)
+
+
+def test_fused_norm_without_its_layout_is_refused(dist_pool: Any) -> None:
+    for text in dist_pool(2).run(F.unknown_layout_job):
+        assert "whether it is the sequence-parallel shard is unknown; apply" in text, text
+        assert "apply_kernels(model, tp_mesh, sequence_parallel)" in text
