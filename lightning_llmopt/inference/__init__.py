@@ -2,7 +2,8 @@
 
 - :class:`LLMEngine` (``generate``, ``stream``, ``add_request``/``step``/``cancel``), built from a model in memory or
   with :meth:`LLMEngine.from_pretrained` from our checkpoint folders, a Lightning ``.ckpt`` or a Hugging Face folder;
-- :class:`SamplingParams`: greedy, temperature, top-k, top-p, seed, max tokens, stop tokens, parallel samples;
+- :class:`SamplingParams`: greedy, temperature, top-k, top-p, min-p, penalties, seed, max tokens, stop tokens and
+  strings, logprobs, parallel samples; :func:`sample_batch` is the batched device sampler;
 - :class:`EngineConfig`: block size, pool size, token budget, int8 KV, prefix caching, CUDA graphs, policy;
 - :class:`SpeculativeConfig` (``EngineConfig.speculative``): speculative decoding with a draft model, prompt lookup
   or the target's quantized copy, adaptive draft length; :func:`speculative_verify` is the exact acceptance rule;
@@ -10,7 +11,8 @@
   :class:`RadixCache` (prefix tree, LRU), :class:`Scheduler`, :class:`KVPool`, :class:`PagedKVCache` (the models'
   KV-cache protocol over pages), :func:`calibrate_kv_scales`.
 
-See docs/inference.md. Importing this package imports no Triton and no transformers.
+See docs/inference.md; the HTTP server is :mod:`lightning_llmopt.inference.serving` (docs/serving.md). Importing this
+package imports no Triton, no transformers and no FastAPI.
 """
 
 from lightning_llmopt.inference.block_manager import NULL_BLOCK, BlockAllocator, BlockManager, OutOfBlocks
@@ -22,7 +24,7 @@ from lightning_llmopt.inference.paged_cache import PagedKVCache
 from lightning_llmopt.inference.prefix_cache import RadixCache
 from lightning_llmopt.inference.quant import calibrate_kv_scales
 from lightning_llmopt.inference.request import Completion, CompletionOutput, RequestMetrics, StreamEvent
-from lightning_llmopt.inference.sampling import SamplingParams, sample
+from lightning_llmopt.inference.sampling import SamplingParams, TokenLogprobs, sample, sample_batch
 from lightning_llmopt.inference.scheduler import Scheduler
 from lightning_llmopt.inference.speculative import SpeculativeConfig, speculative_verify
 from lightning_llmopt.inference.stats import EngineStats
@@ -46,8 +48,10 @@ __all__ = [
     "Scheduler",
     "SpeculativeConfig",
     "StreamEvent",
+    "TokenLogprobs",
     "calibrate_kv_scales",
     "load_model",
     "sample",
+    "sample_batch",
     "speculative_verify",
 ]

@@ -259,6 +259,12 @@ def test_loading_back_pressure_and_shutdown():
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
             r = h.post(f"{url}/v1/chat/completions", json=chat)
             assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
+            with pytest.raises(httpx.ReadTimeout):  # a non-streamed client that gives up: its request is cancelled
+                h.post(f"{url}/v1/completions", json=body, timeout=0.5)
+            deadline = time.monotonic() + 10
+            while server.core.in_flight and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.core.in_flight == 0 and box["engine"].stats.cancelled == 1
             first = streams.enter_context(h.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}))
             lines = first.iter_lines()  # kept: a dropped line iterator closes the connection (a disconnect)
             line = next(lines)
@@ -268,5 +274,5 @@ def test_loading_back_pressure_and_shutdown():
             assert r.json()["error"]["code"] == "overloaded"
         # the server shut down with the stream still open: the request was cancelled, its blocks freed
         engine = box["engine"]
-        assert server.core.state == "stopped" and not engine.has_unfinished() and engine.stats.cancelled == 1
+        assert server.core.state == "stopped" and not engine.has_unfinished() and engine.stats.cancelled == 2
         assert engine.blocks.num_available() == engine.blocks.allocator.capacity

@@ -168,22 +168,28 @@ async def _sse(server: Server, job: Job, tokenizer: Any, include_usage: bool, co
 
 
 async def _collect(server: Server, job: Job, tokenizer: Any, request: Any) -> dict[str, Any]:
-    """Run the job to its end; a client that disconnects meanwhile cancels it."""
-    stream = _run(server, job, tokenizer).__aiter__()
-    while True:
-        step = asyncio.ensure_future(stream.__anext__())
-        while not step.done():
-            await asyncio.wait({step}, timeout=0.25)
-            if not step.done() and await request.is_disconnected():
-                step.cancel()
-                with contextlib.suppress(BaseException):
-                    await step
-                await stream.aclose()
+    """Run the job to its end, drawing the chunks (which record the text); a client that disconnects meanwhile
+    cancels it (checked every 0.25 s, whether or not tokens keep coming)."""
+    chunks = _run(server, job, tokenizer)
+
+    async def drain() -> None:
+        async for _ in chunks:
+            pass
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
                 raise APIError(499, "client disconnected")
-        try:
-            step.result()
-        except StopAsyncIteration:
-            return full_response(job, tokenizer)
+        task.result()
+        return full_response(job, tokenizer)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await chunks.aclose()  # cancels what is still running
 
 
 async def _respond(server: Server, job: Job, req: Any, request: Any) -> Any:
