@@ -213,6 +213,8 @@ def _view(model: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module
     for key, value in list(view.__dict__.items()):
         if isinstance(value, dict):
             view.__dict__[key] = type(value)(value)
+    for name in getattr(model, "forward_methods", ()):  # wrappers bound to the model (FSDP2's): the view's own code
+        view.__dict__.pop(name, None)
     layers: Any = model.layers
     view._modules["layers"] = nn.ModuleDict({str(i): layers[str(i)] for i in blocks})
     view._modules["tok_embeddings"] = model.tok_embeddings if first else None
