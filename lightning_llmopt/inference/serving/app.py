@@ -241,6 +241,14 @@ def build_app(server: Server) -> Any:
     async def metrics() -> Any:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    _generation_routes(app, server)
+    return app
+
+
+def _generation_routes(app: Any, server: Server) -> None:
+    """The ``/v1`` routes."""
+    from fastapi import Request
+
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         server.authorize(request.headers.get("authorization"))
@@ -277,5 +285,3 @@ def build_app(server: Server) -> Any:
             tokens = server.tokens(engine, text, params, "messages")
         job = server.submit("chat", req.model, [tokens], params, req.logprobs)
         return await _respond(server, job, req, request)
-
-    return app
