@@ -244,10 +244,24 @@ def _llama2(folder: Path) -> Path:
     return folder
 
 
+# Qwen2's pre-tokenizer split (digits one by one), as its tokenizer.json and transformers' Qwen2Tokenizer have it.
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def _qwen2(folder: Path) -> Path:
-    from tokenizers import processors
+    from tokenizers import Regex, normalizers, pre_tokenizers, processors
 
     tok = _bytelevel(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
@@ -294,7 +308,7 @@ def test_hf_tokenizer_matches_auto_tokenizer(style: str, tmp_path: Path) -> None
     generation = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
     assert set(tok.stop_ids) == {ref.eos_token_id, *(generation if isinstance(generation, list) else [generation])}
     assert tok.stop_ids[0] == ref.eos_token_id
-    for text in ["hello world", " the cat", "héllo\n x 🙂", "<|im_end|> [INST] x", ""]:
+    for text in ["hello world", " the cat", "héllo\n x 🙂", "<|im_end|> [INST] x", "x * 2 = 42;\n\n  y", ""]:
         assert tok.encode(text, add_special_tokens=True) == ref.encode(text), text
         assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text
         assert tok.decode(ref.encode(text)) == ref.decode(ref.encode(text)), text

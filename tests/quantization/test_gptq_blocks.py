@@ -37,8 +37,9 @@ def _codes(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: m.qweight.clone() for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
-@pytest.mark.parametrize("skip_head", [True, False])
-def test_blockwise_equals_the_prefix_driver_with_fewer_forwards(monkeypatch, skip_head: bool) -> None:
+def test_blockwise_equals_the_prefix_driver_with_fewer_forwards(monkeypatch) -> None:
+    skip_head = False  # the head is quantized too: the group outside the blocks (tests/quantization/test_gptq.py
+    # runs the block driver with the default config, head skipped)
     config = QuantConfig(bits=4, group_size=32, method="gptq", **({} if skip_head else {"skip": ()}))
     blockwise = _tiny()
     calls = _count_block_calls(blockwise, blockwise.layers)
