@@ -45,12 +45,16 @@ def init_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     L.seed_everything(0, verbose=False)
     module = CausalLMModule("tiny", model_overrides=LAYERS)
     module.configure_model()
-    paths = {"llmopt": str(root / "llmopt.pt"), "llmopt2": str(root / "llmopt2.pt")}
+    paths = {"llmopt": str(root / "llmopt.pt"), "llmopt2": str(root / "llmopt2.pt"), "moe": str(root / "moe.pt")}
     torch.save({k: v.clone() for k, v in module.state_dict().items()}, paths["llmopt"])
     two = {
         k: v.clone() for k, v in module.state_dict().items() if not k.startswith(("model.layers.2", "model.layers.3"))
     }
     torch.save(two, paths["llmopt2"])  # the 2-layer tiny model: the first two blocks
+    L.seed_everything(0, verbose=False)
+    moe = CausalLMModule("tiny", model_overrides=MOE)
+    moe.configure_model()
+    torch.save({k: v.clone() for k, v in moe.state_dict().items()}, paths["moe"])
     if importlib.util.find_spec("transformers") is not None:
         hf = F.J.HFModule()
         hf.configure_model()
@@ -59,6 +63,7 @@ def init_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return paths
 
 
+MOE = {"moe": {"num_experts": 4, "top_k": 2, "z_loss_coef": 1e-3}}  # tests/strategies/test_nd_expert_parallel.py's
 _REF: dict[str, dict[str, Any]] = {}
 
 
@@ -66,7 +71,9 @@ def _reference(init_paths: dict[str, str], which: str = "llmopt") -> dict[str, A
     """One process, Lightning's default strategy, no fused kernels."""
     if which not in _REF:
         config: dict[str, Any] = {"nd": None, "fused": False}
-        config.update({"hf": {"hf": True}, "llmopt": {"overrides": LAYERS}, "llmopt2": {}}[which])
+        config.update(
+            {"hf": {"hf": True}, "llmopt": {"overrides": LAYERS}, "llmopt2": {}, "moe": {"overrides": MOE}}[which]
+        )
         _REF[which] = F.run(config, init_paths[which])
     return _REF[which]
 
@@ -96,8 +103,10 @@ def _errors(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
 
 def _check(configs: list[dict[str, Any]], results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
     for config, result in zip(configs, results, strict=True):
-        fused = result["fused"]  # the kernels really ran: every norm, MLP and the loss were swapped
-        assert fused["rmsnorm"] > 0 and fused["swiglu"] > 0 and fused["rope"] > 0 and fused["fused_ce"] == 1, fused
+        fused = result["fused"]  # the kernels really ran: every norm, dense MLP and the loss were swapped
+        moe = "moe" in config.get("overrides", {})  # Mixture-of-Experts feed-forwards keep their own experts
+        assert fused["rmsnorm"] > 0 and fused["rope"] > 0 and fused["fused_ce"] == 1, fused
+        assert (fused["swiglu"] == 0) if moe else (fused["swiglu"] > 0), fused
         errors = _errors(result, ref)
         print(f"fused parity {config}: {errors}")  # the figures docs/fused_kernels.md quotes (pytest -s)
         assert max(errors.values()) <= TOL, (config, errors)
@@ -152,6 +161,20 @@ def test_transformers_llama_tensor_parallel(dist_pool: Any, init_paths: dict[str
     in after the sharding, against the unpatched model in one process."""
     results = dist_pool(2).run(F.parity_job, init_paths, HF)[0]
     _check(HF, results, _reference(init_paths, "hf"))
+
+
+EXPERTS = [
+    {"nd": {"expert_parallel": 2, "zero_stage": 3}, "overrides": MOE, "init": "moe"},  # EP x ZeRO-3 (dp_rep 1)
+    {"nd": {"tensor_parallel": 2, "activation_checkpointing": "selective"}, "overrides": MOE, "init": "moe"},
+]
+
+
+def test_mixture_of_experts(dist_pool: Any, init_paths: dict[str, str]) -> None:
+    """A MoE model (every feed-forward routed, so no fused SwiGLU): norms, rotary and the fused loss under expert
+    parallelism with ZeRO-3, and under TP + SP (each rank routes its sequence shard) with selective activation
+    checkpointing, which recomputes the fused modules."""
+    results = dist_pool(2).run(F.parity_job, init_paths, EXPERTS)[0]
+    _check(EXPERTS, results, _reference(init_paths, "moe"))
 
 
 FOUR_RANKS = _with_layers(
