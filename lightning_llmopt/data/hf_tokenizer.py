@@ -164,7 +164,8 @@ class HFTokenizer:
         return self.encode(str(text)) if tokenize else str(text)
 
     def _auto_tokenizer(self) -> Any:
-        """``transformers.AutoTokenizer`` over the same folder (loaded once), or ``None`` without transformers."""
+        """``transformers.AutoTokenizer`` over the same folder (loaded once), or ``None`` without transformers or when
+        transformers cannot read the folder (the jinja2 path renders the template then)."""
         if self._auto is None:
             from lightning_utilities.core.imports import RequirementCache
 
@@ -172,8 +173,11 @@ class HFTokenizer:
                 return None
             from transformers import AutoTokenizer
 
-            self._auto = AutoTokenizer.from_pretrained(str(self.folder))
-        return self._auto
+            try:
+                self._auto = AutoTokenizer.from_pretrained(str(self.folder))
+            except (OSError, ValueError, KeyError, ImportError):  # e.g. a tokenizer_class this version lacks
+                self._auto = False
+        return self._auto or None
 
     def save_pretrained(self, folder: str | Path) -> list[Path]:
         """Copy this tokenizer's files (:data:`TOKENIZER_FILES` that exist) into ``folder``; returns them."""
