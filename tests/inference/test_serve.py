@@ -110,6 +110,9 @@ def test_parallel_samples_seeds_logprobs_and_stops(served):
     assert [ch.text for ch in again.choices] == [ch.text for ch in first.choices]
     other = c.completions.create(**{**kw, "seed": 8})
     assert [ch.text for ch in other.choices] != [ch.text for ch in first.choices]
+    both = c.completions.create(**{**kw, "prompt": ["xyz", "abc"]})  # choice index = prompt * n + i
+    assert sorted(ch.index for ch in both.choices) == list(range(6))
+    assert [ch.text for ch in sorted(both.choices, key=lambda ch: ch.index)[3:]] == [ch.text for ch in first.choices]
 
     # logprobs: the greedy token's is the top of the model's own log-softmax over the prompt
     rendered = "<user>x\n<assistant>"
