@@ -188,6 +188,8 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     debug = "--debug" in argv or os.environ.get("LLMOPT_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    if args is None:  # LightningCLI reads sys.argv itself: it must not see our flag
+        sys.argv[1:] = argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return
