@@ -279,3 +279,28 @@ def test_loading_back_pressure_and_shutdown():
         engine = box["engine"]
         assert server.core.state == "stopped" and not engine.has_unfinished() and engine.stats.cancelled == 2
         assert engine.blocks.num_available() == engine.blocks.allocator.capacity
+
+
+def test_chat_uses_the_tokenizers_own_template(tmp_path):
+    """Without --chat-template, a tokenizer folder's template renders the messages (HFTokenizer.apply_chat_template)."""
+    import json
+
+    from lightning_llmopt.data.tokenizers import load_tokenizer
+
+    ByteTokenizer().save_pretrained(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config["chat_template"] = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
+    config_path.write_text(json.dumps(config))
+    tok = load_tokenizer(tmp_path)
+    model = tiny_model()
+    ref = LLMEngine(model, tok, num_blocks=64, block_size=8).generate(
+        ["[user]hi[assistant]"], SamplingParams(max_tokens=6, ignore_eos=True)
+    )[0]
+    server = Server(LLMEngine(model, tok, num_blocks=64, block_size=8), "tiny")
+    with running(server) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", http_client=httpx.Client(trust_env=False))
+        out = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, **_greedy()
+        )
+    assert out.choices[0].message.content == ref.text and out.usage.prompt_tokens == len(ref.prompt_token_ids)

@@ -71,14 +71,24 @@ class Server:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 
-    def template(self, engine: LLMEngine) -> ChatTemplate:
+    def template(self, engine: LLMEngine) -> Callable[[list[dict[str, str]]], str]:
+        """How messages become a prompt: ``--chat-template`` if given, else the tokenizer's own
+        ``apply_chat_template`` (:class:`~lightning_llmopt.data.tokenizers.HFTokenizer` renders its folder's
+        template as transformers does), else a template found in the model folder; a 400 when there is none."""
+        tok = engine.tokenizer
+        if (
+            self._template_source is None
+            and getattr(tok, "chat_template", None)
+            and hasattr(tok, "apply_chat_template")
+        ):
+            return lambda messages: str(tok.apply_chat_template(messages, add_generation_prompt=True))
         if self._template is False:
-            source = find_chat_template(engine.tokenizer, self._model_path, self._template_source)
-            self._template = ChatTemplate(source, *_special_strings(engine.tokenizer)) if source else None
-        if self._template is None or self._template is True:
+            source = find_chat_template(tok, self._model_path, self._template_source)
+            self._template = ChatTemplate(source, *_special_strings(tok)) if source else None
+        if not isinstance(self._template, ChatTemplate):
             raise APIError(400, "this model has no chat template: use /v1/completions, or start the server with "
                            "--chat-template FILE", param="messages", code="no_chat_template")  # fmt: skip
-        return self._template
+        return self._template.render
 
     def tokens(self, engine: LLMEngine, prompt: str | list[int], params: Any, param: str) -> list[int]:
         try:
@@ -273,9 +283,9 @@ def _generation_routes(app: Any, server: Server) -> None:
         engine = server.engine
         req = parse_chat(await _body(request), 1)
         server.check_model(req.model)
-        template = server.template(engine)
+        render = server.template(engine)
         try:
-            text = template.render(req.messages)
+            text = render(req.messages)
         except Exception as exc:  # noqa: BLE001 - the template refused the messages (roles, content)
             raise APIError(400, f"chat template: {exc}", param="messages") from None
         params = req.params
