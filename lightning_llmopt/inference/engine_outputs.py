@@ -25,6 +25,7 @@ class EngineOutputs:
     """Output side of the engine; the engine sets the attributes annotated here."""
 
     tokenizer: Any
+    _end_cache: tuple[Any, frozenset[int]]  # (tokenizer, its end-of-sequence ids)
     scheduler: Scheduler
     stats: EngineStats
     max_model_len: int
@@ -43,11 +44,11 @@ class EngineOutputs:
             req.metrics.first_token_time = now()
         if seq.text is None and self.tokenizer is not None:
             seq.text = TextState(self.tokenizer, req.prompt_token_ids, p.stop)
-        eos = getattr(self.tokenizer, "eos_id", None)
+        eos = self._end_ids() if not p.ignore_eos else ()
         reason = None
         start = seq.num_output
         for i, token in enumerate(tokens):
-            if token in p.stop_token_ids or (not p.ignore_eos and eos is not None and token == eos):
+            if token in p.stop_token_ids or token in eos:
                 reason = "stop"
                 break
             seq.tokens.append(token)
@@ -72,6 +73,18 @@ class EngineOutputs:
         text = seq.text.take(reason is not None) if seq.text is not None else None
         lps = seq.logprobs[start:] if p.logprobs is not None else None
         return StreamEvent(req.request_id, seq.index, new, text, reason is not None, reason, lps)
+
+    def _end_ids(self) -> frozenset[int]:
+        """Tokens that end a sequence unless ``ignore_eos``: the tokenizer's ``eos_id`` and its ``stop_ids`` (a
+        Hugging Face folder's ``generation_config.json`` ``eos_token_id``: Llama-3 instruct's ``<|eot_id|>``)."""
+        tok = self.tokenizer
+        cached = getattr(self, "_end_cache", None)
+        if cached is None or cached[0] is not tok:
+            ids = {int(t) for t in getattr(tok, "stop_ids", ()) or ()}
+            eos = getattr(tok, "eos_id", None)
+            cached = (tok, frozenset(ids | ({int(eos)} if eos is not None else set())))
+            self._end_cache = cached
+        return cached[1]
 
     def _decode(self, tokens: list[int]) -> str | None:
         """Text of ``tokens``; ids the tokenizer does not know (a model vocabulary padded past the tokenizer's) are

@@ -112,3 +112,25 @@ def test_inference_imports_flow_one_way():
         if not name.startswith("serving"):
             assert not any(d.startswith("serving") for d in deps), f"{name} imports the server"
     assert "engine" in graph["serving.async_engine"]
+
+
+def test_generation_config_stop_ids_end_sequences(model_factory, prompts_factory, tmp_path):
+    """A Hugging Face folder's generation_config.json eos_token_id list (Llama-3 instruct's <|eot_id|>) ends
+    sequences like the EOS token, unless ignore_eos."""
+    import json
+
+    from lightning_llmopt.data.tokenizers import load_tokenizer
+
+    model = model_factory()
+    prompt = prompts_factory([7], 256, seed=6)[0]
+    ByteTokenizer().save_pretrained(tmp_path)
+    free = LLMEngine(model, load_tokenizer(tmp_path), num_blocks=64, block_size=8)
+    tokens = free.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
+    stop = tokens[4]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, stop]}))
+    tok = load_tokenizer(tmp_path)
+    assert stop in tok.stop_ids
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=8)
+    out = engine.generate([prompt], SamplingParams(max_tokens=20))[0]
+    assert out.token_ids == tokens[: tokens.index(stop)] and out.outputs[0].finish_reason == "stop"
+    assert engine.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids == tokens
