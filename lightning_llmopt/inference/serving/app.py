@@ -15,7 +15,7 @@ import dataclasses
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,13 @@ class Server:
                  max_queue: int | None = None, chat_template: str | None = None,
                  model_path: str | Path | None = None, grace_s: float = 10.0) -> None:  # fmt: skip
         self.model_name, self.api_key, self.grace_s = model_name, api_key, grace_s
-        self.metrics = ServerMetrics(lambda: (self.core.engine, self.core.in_flight))
+        self.metrics = ServerMetrics(self._gauge_state)
         self.core = AsyncEngine(engine, max_queue, on_step=self.metrics.on_step)
         self._template_source, self._model_path = chat_template, model_path
         self._template: ChatTemplate | None | bool = False  # False: not looked up yet
+
+    def _gauge_state(self) -> tuple[LLMEngine | None, int]:
+        return self.core.engine, self.core.in_flight
 
     @property
     def engine(self) -> LLMEngine:
@@ -135,7 +138,7 @@ def _special_strings(tokenizer: Any) -> tuple[str, str]:
     return out[0], out[1]
 
 
-async def _run(server: Server, job: Job, tokenizer: Any) -> AsyncIterator[dict[str, Any]]:
+async def _run(server: Server, job: Job, tokenizer: Any) -> AsyncGenerator[dict[str, Any], None]:
     """The job's chunks as events arrive (records texts for the final body; metrics of first tokens and gaps)."""
     last: dict[int, float] = {}
     offsets: dict[int, int] = {}
