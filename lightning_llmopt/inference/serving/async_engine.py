@@ -139,12 +139,17 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ loop thread
     def _deliver(self, handle: Handle, item: list[StreamEvent] | None) -> None:
+        self._deliver_all([(handle, item)])
+
+    def _deliver_all(self, items: list[tuple[Handle, list[StreamEvent] | None]]) -> None:
+        """Hand items to their handles' queues on the event loop, with one wake-up of the loop for all of them."""
         assert self._loop is not None
-        if item is None:
-            handle.done = True
-            self._handles.pop(handle.request_id, None)
+        for handle, item in items:
+            if item is None:
+                handle.done = True
+                self._handles.pop(handle.request_id, None)
         try:
-            self._loop.call_soon_threadsafe(handle.queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:  # the event loop is closed: nobody reads any more
             pass
 
@@ -203,17 +208,18 @@ class AsyncEngine:
         by_request: dict[str, list[StreamEvent]] = {}
         for ev in events:
             by_request.setdefault(ev.request_id, []).append(ev)
+        items: list[tuple[Handle, list[StreamEvent] | None]] = []
         for rid, evs in by_request.items():
             handle = self._handles.get(rid)
             if handle is None:
                 continue
             handle.finished.update(ev.index for ev in evs if ev.finished)
-            done = len(handle.finished) == handle.n
-            if done:
+            items.append((handle, evs))
+            if len(handle.finished) == handle.n:
                 handle.completion = engine.result(rid)
-            self._deliver(handle, evs)
-            if done:
-                self._deliver(handle, None)
+                items.append((handle, None))
+        if items:
+            self._deliver_all(items)
 
     def _fail_all(self, engine: LLMEngine, message: str) -> None:
         for rid, handle in list(self._handles.items()):
@@ -222,3 +228,8 @@ class AsyncEngine:
                 engine.result(rid)
             handle.error = message
             self._deliver(handle, None)
+
+
+def _put_all(items: list[tuple[Handle, list[StreamEvent] | None]]) -> None:
+    for handle, item in items:
+        handle.queue.put_nowait(item)
