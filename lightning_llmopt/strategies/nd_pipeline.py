@@ -58,6 +58,8 @@ class FusedReplay(nn.Module):
         model: the last stage's model (its ``output`` head and ``fused_loss``).
     """
 
+    _model: Any
+
     def __init__(self, hidden: Any, model: nn.Module) -> None:
         super().__init__()
         self.hidden = hidden
@@ -65,11 +67,11 @@ class FusedReplay(nn.Module):
 
     @property
     def output(self) -> Any:
-        return self._model.output  # type: ignore[attr-defined]
+        return self._model.output
 
     @property
     def fused_loss(self) -> Any:
-        return self._model.fused_loss  # type: ignore[attr-defined]
+        return self._model.fused_loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.output(self.hidden)
