@@ -35,8 +35,10 @@ class CausalLMModule(L.LightningModule):
             that checkpoints store is accepted here).
         pretrained: a Hugging Face Llama, Mistral or Qwen2 folder (``config.json`` + safetensors, e.g. a Hub
             download): the model is built from its config and starts from its weights (fp32 master weights; the
-            precision plugin casts as configured). Under a sharded strategy every rank reads the weights on the CPU
-            and the strategy then shards them. The folder's tokenizer is remembered in checkpoints.
+            precision plugin casts as configured). Under a sharded strategy (the model built on the meta device)
+            each rank reads only its own part of every weight from the safetensors files once the strategy has
+            sharded the model (:meth:`load_pretrained`, at the start of fit/validate/test/predict). The folder's
+            tokenizer is remembered in checkpoints.
         model_overrides: fields that replace the preset's (e.g. ``{"attn_backend": "eager"}``).
         learning_rate: peak learning rate.
         weight_decay: AdamW decay, applied to matrices only (not norms, biases or embeddings).
@@ -88,11 +90,14 @@ class CausalLMModule(L.LightningModule):
     @override
     def configure_model(self) -> None:
         """Build the decoder inside the strategy's init context (the meta device for sharded strategies)."""
-        if self.model is None and self.hparams.get("pretrained"):
+        if self.model is None and self.hparams.get("pretrained") and torch.empty(0).is_meta:
+            # A sharded strategy's init context: build on meta as usual; once the strategy has sharded the model,
+            # each rank reads only its own part of the weights (load_pretrained, at the start of fit/validate/...).
+            self.model = Llama(self.config)
+            self._pretrained_pending = True
+        elif self.model is None and self.hparams.get("pretrained"):
             from lightning_llmopt.models.hf import from_hf
 
-            # Read on the CPU whatever the strategy's init device (meta for sharded strategies): the strategy shards
-            # and moves these weights as it would a freshly initialised model.
             self.model = from_hf(self.hparams["pretrained"], dtype=torch.float32, device="cpu", config=self.config)
         elif self.model is None:
             self.model = Llama(self.config)
@@ -246,8 +251,35 @@ class CausalLMModule(L.LightningModule):
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
         self._tokens_seen_counter = None
 
+    def load_pretrained(self) -> None:
+        """Read the ``pretrained`` weights into a model built on meta and sharded by the strategy (each rank its own
+        part, :func:`~lightning_llmopt.models.hf_shards.load_sharded`); nothing when resuming from a checkpoint,
+        whose weights the strategy has already restored."""
+        if not getattr(self, "_pretrained_pending", False):
+            return
+        self._pretrained_pending = False
+        if self._trainer is not None and self.trainer.ckpt_path is not None:
+            return
+        from lightning_llmopt.models.hf_shards import load_sharded
+
+        assert self.model is not None
+        self.pretrained_elements_read = load_sharded(self.model, self.hparams["pretrained"])
+
+    @override
+    def on_validation_start(self) -> None:
+        self.load_pretrained()
+
+    @override
+    def on_test_start(self) -> None:
+        self.load_pretrained()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.load_pretrained()
+
     @override
     def on_fit_start(self) -> None:
+        self.load_pretrained()
         assert self.model is not None
         rank_zero_info(f"model {self.config.name}: {self.model.num_params() / 1e6:.2f}M parameters")
 

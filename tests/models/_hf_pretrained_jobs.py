@@ -89,7 +89,9 @@ def fit(folder: str, layout: str | None) -> dict[str, Any]:
         k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for k, p in trainer.lightning_module.named_parameters()
     }
-    return {"losses": losses.tolist(), "params": params, "first_batch": recorder.first_batch}
+    module = trainer.lightning_module
+    read = getattr(module, "pretrained_elements_read", None)  # set when the weights were read into the shards
+    return {"losses": losses.tolist(), "params": params, "first_batch": recorder.first_batch, "read": read}
 
 
 def parity_job(folders: list[str], layouts: list[str]) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """Fine-tuning a pretrained Hugging Face folder: ``CausalLMModule(pretrained=...)`` on a transformers tiny Llama
-and a tiny Qwen2 (random configs, ``save_pretrained``), under ZeRO-3 on 2 gloo ranks and under TP=2, against the
-same fine-tuning in one process; and ``from_hf`` inside a meta-device context (a sharded strategy's
-``configure_model``)."""
+and a tiny Qwen2 (random configs, ``save_pretrained``), under ZeRO-3 on 2 gloo ranks and under TP=2 (each rank
+reading only its shards), against the same fine-tuning in one process; and ``from_hf`` inside a meta-device
+context."""
 
 from __future__ import annotations
 
@@ -75,10 +75,19 @@ def test_from_hf_under_meta_device_matches_transformers(folders: dict[str, str])
 def test_pretrained_module_builds_from_the_folder(folders: dict[str, str]) -> None:
     module = CausalLMModule(pretrained=folders["qwen2"])
     assert module.config.qkv_bias and module.config.tie_embeddings and module.config.vocab_size == 128
-    with torch.device("meta"):
-        module.configure_model()
+    module.configure_model()  # a plain strategy: the weights are read right away
     assert module.model is not None
-    torch.testing.assert_close(module.model.state_dict()["norm.weight"], from_hf(folders["qwen2"]).norm.weight)
+    reference = from_hf(folders["qwen2"])
+    torch.testing.assert_close(module.model.state_dict(), reference.state_dict(), rtol=0, atol=0)
+    sharded = CausalLMModule(pretrained=folders["qwen2"])
+    with torch.device("meta"):  # a sharded strategy's init context: built on meta, read after sharding
+        sharded.configure_model()
+    assert sharded.model is not None and sharded.model.norm.weight.is_meta
+    sharded.model.to_empty(device="cpu")  # what the strategy's materialisation does (random values then)
+    sharded.model.output.weight = sharded.model.tok_embeddings.weight  # to_empty unties; strategies tie again
+    sharded.load_pretrained()
+    assert sharded.pretrained_elements_read == sum(p.numel() for p in reference.parameters())  # tied: read once
+    torch.testing.assert_close(sharded.model.state_dict(), reference.state_dict(), rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"pass one of model \('tiny'\) and pretrained"):
         CausalLMModule("tiny", pretrained=folders["llama"])
     with pytest.raises(FileNotFoundError, match="pretrained \\('nowhere'\\) is not a folder"):
@@ -104,3 +113,7 @@ def test_pretrained_parity_zero3_and_tp2(dist_pool: Any, folders: dict[str, str]
             assert float(((losses - want).abs() / want).max()) <= TOL, (folder, layout, got["losses"], ref["losses"])
             a, b = _flat(got["params"]), _flat(ref["params"])
             assert float((a - b).norm() / b.norm()) <= TOL, (folder, layout)
+            # each rank read only its shards: about half of the weights (replicated norms are read whole)
+            total = sum(p.numel() for p in start.parameters())
+            assert got["read"] is not None and got["read"] < 0.6 * total, (layout, got["read"], total)
+        assert ref["read"] is None  # one process: the folder is read whole in configure_model
