@@ -90,12 +90,14 @@ class CausalLMModule(L.LightningModule):
     @override
     def configure_model(self) -> None:
         """Build the decoder inside the strategy's init context (the meta device for sharded strategies)."""
-        if self.model is None and self.hparams.get("pretrained") and torch.empty(0).is_meta:
+        pretrained = self.hparams.get("pretrained")
+        streamable = pretrained is not None and any(Path(pretrained).glob("*.safetensors"))
+        if self.model is None and streamable and torch.empty(0).is_meta:
             # A sharded strategy's init context: build on meta as usual; once the strategy has sharded the model,
             # each rank reads only its own part of the weights (load_pretrained, at the start of fit/validate/...).
             self.model = Llama(self.config)
             self._pretrained_pending = True
-        elif self.model is None and self.hparams.get("pretrained"):
+        elif self.model is None and pretrained:  # a plain strategy, or .bin weights (read whole, then sharded)
             from lightning_llmopt.models.hf import from_hf
 
             self.model = from_hf(self.hparams["pretrained"], dtype=torch.float32, device="cpu", config=self.config)
