@@ -304,3 +304,16 @@ def test_chat_uses_the_tokenizers_own_template(tmp_path):
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, **_greedy()
         )
     assert out.choices[0].message.content == ref.text and out.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_serve_command_builds_the_engine():
+    from lightning_llmopt.cli.serve import build_engine, build_parser, main
+
+    args = build_parser().parse_args(
+        ["--preset", "tiny", "--tokenizer", "byte", "--device", "cpu", "--num-blocks", "32", "--max-model-len", "64"]
+    )
+    engine = build_engine(args)
+    assert isinstance(engine.tokenizer, ByteTokenizer) and engine.max_model_len == 64
+    assert engine.blocks.allocator.num_blocks == 32 and engine.device.type == "cpu"
+    with pytest.raises(SystemExit, match="exactly one of MODEL"):
+        main(["--tokenizer", "byte"])
