@@ -15,6 +15,7 @@ from lightning_llmopt.data.curriculum import (
 )
 from lightning_llmopt.data.datamodule import TextDataModule
 from lightning_llmopt.data.dedup import MinHashDeduplicator
+from lightning_llmopt.data.instruct import InstructionDataset
 from lightning_llmopt.data.mixture import fixed_mixture, lp_mixture, take_tokens
 from lightning_llmopt.data.packing import StreamingPacker, best_fit, first_fit_decreasing, pack_rows, padding_waste
 from lightning_llmopt.data.quality import DocumentPreprocessor, QualityFilter
@@ -27,6 +28,7 @@ __all__ = [
     "CurriculumSamplerFactory",
     "DocumentPreprocessor",
     "HFTokenizer",
+    "InstructionDataset",
     "MinHashDeduplicator",
     "QualityFilter",
     "ResumableDataLoader",
