@@ -239,7 +239,6 @@ def _run_task(task: bytes, dist: Any, conn: Any) -> None:
     """Run one task. Messages to the parent: ``("early", "error", tb)`` as soon as the function raised (before the
     barrier, where a failed rank may hang if others wait in a collective it skipped), then
     ``("final", status, value)`` after the barrier."""
-    groups_before = _live_groups(dist)
     try:
         fn, args, kwargs = pickle.loads(task)
         outcome: tuple[str, Any] = ("ok", fn(*args, **kwargs))
@@ -251,45 +250,11 @@ def _run_task(task: bytes, dist: Any, conn: Any) -> None:
     except Exception:
         if outcome[0] == "ok":
             outcome = ("error", "barrier after the task failed:\n" + traceback.format_exc())
-    _destroy_new_groups(dist, groups_before)
     try:
         message = _dumps(("final", *outcome))
     except Exception:
         message = _dumps(("final", "error", "could not pickle the result:\n" + traceback.format_exc()))
     conn.send_bytes(message)
-
-
-def _live_groups(dist: Any) -> set[Any]:
-    """The process groups this worker holds now (the default group included)."""
-    return set(dist.distributed_c10d._world.pg_map)
-
-
-def _destroy_new_groups(dist: Any, before: set[Any]) -> None:
-    """Destroy the groups a task made (``new_group``, device meshes, strategies' sub-meshes), so their threads end.
-
-    Each gloo group owns two ``pt_gloo_runloop`` threads and a ``gloo_tcp_loop`` thread for as long as it lives;
-    groups left behind by every distributed test added up to 800 threads per worker late in a full run (load 300 on
-    2 cores). Every rank destroys the groups its task created, after the barrier, so no rank is still using one.
-    The device-mesh cache is cleared too: its meshes name groups that no longer exist.
-    """
-    import gc
-
-    for group in _live_groups(dist) - before:
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # an already-broken group must not stop the worker from serving the next task
-            pass
-    try:
-        from torch.distributed.device_mesh import _mesh_resources
-
-        for name in ("mesh_stack", "child_to_root_mapping", "mesh_dim_group_options", "root_to_flatten_mapping",
-                     "flatten_name_to_root_dims"):
-            cache: Any = getattr(_mesh_resources, name, None)
-            if cache is not None and hasattr(cache, "clear"):
-                cache.clear()
-    except ImportError:
-        pass
-    gc.collect()  # the groups' threads are joined when the last reference to them goes
 
 
 # --------------------------------------------------------------------------- parent side

@@ -89,6 +89,11 @@ class DistributedPool:
             it, so a start costs ~0.1 s instead of one torch import per rank (seconds each on 2 busy cores).
             Workers get the caller's ``os.environ`` as of pool start, but variables that torch reads at import
             take the forkserver's values: use ``"spawn"`` when a test needs those to differ.
+        max_worker_threads: before a task, if any worker holds more threads than this, the workers are closed and
+            the pool restarts (new pids). Every process group or device mesh a task makes keeps its gloo threads
+            (three a group) for the worker's life, and meshes cached by torch may be reused by later tasks, so
+            groups are never destroyed between tasks; restarting bounds the threads instead (a full run once left
+            650-830 threads per worker). ``None``: never restart. Counted through ``/proc`` (Linux only).
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class DistributedPool:
         num_threads: int | None = 1,
         start_method: str = "forkserver",
         error_grace: float = 10.0,
+        max_worker_threads: int | None = 128,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be >= 1")
@@ -116,6 +122,7 @@ class DistributedPool:
                 f"start_method ({start_method!r}) must be 'forkserver' or 'spawn' (not fork: torch threads)"
             )
         self.start_method = start_method
+        self.max_worker_threads = max_worker_threads
         self._processes: list[Any] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._pids: list[int] = []
@@ -216,6 +223,8 @@ class DistributedPool:
             DistributedTimeoutError: the task exceeded ``timeout`` or a worker died; the workers were killed.
         """
         payload = _dumps((fn, args, kwargs))  # fail here, before any worker is involved, if fn cannot travel
+        if self.max_worker_threads is not None and max(self.thread_counts(), default=0) > self.max_worker_threads:
+            self.close()  # restarts below with fresh workers
         self._ensure_started()
         for conn in self._conns:
             conn.send_bytes(payload)
@@ -224,6 +233,16 @@ class DistributedPool:
         if errors:
             raise DistributedTaskError(errors, _fn_name(fn))
         return [value for _, value in outcomes]
+
+    def thread_counts(self) -> list[int]:
+        """Threads of each running worker, in rank order (empty if the pool is not started or not on Linux)."""
+        counts = []
+        for pid in self._pids:
+            try:
+                counts.append(len(os.listdir(f"/proc/{pid}/task")))
+            except OSError:
+                return []
+        return counts
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the workers to destroy their process group and exit; kill those that do not within ``timeout``."""

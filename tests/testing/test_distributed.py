@@ -226,26 +226,34 @@ def _make_groups_and_meshes() -> float:
     return t.item()  # world_size, then times the tp size (2)
 
 
-# A worker's own threads: the main thread, torch's (num_threads=1: none more) and the default gloo group's two
-# ``pt_gloo_runloop`` + one ``gloo_tcp_loop``; every other live group adds three. 16 leaves room for a few
-# library threads while failing long before the 650-830 threads that leaked groups had piled up to.
-_MAX_WORKER_THREADS = 16
+# A worker's own threads: the main thread and the default gloo group's two ``pt_gloo_runloop`` + one
+# ``gloo_tcp_loop``; every other process group a task makes adds three for the worker's life. One task of the
+# suite makes at most a handful of groups, so 48 threads above the restart bound is room for the task that crossed it.
+_ONE_TASK_OF_GROUPS = 48
 
 
 @pytest.mark.run_last
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 def test_pool_workers_keep_a_bounded_thread_count(dist_pool) -> None:
-    """At the end of the session every started pool's workers hold few threads, and tasks that make process groups
-    and device meshes leave none behind (they are destroyed after each task)."""
+    """At the end of the session every started pool's workers are within the restart bound (plus one task)."""
     from lightning_llmopt.testing import distributed
 
     pools = [pool for pool in distributed._POOLS.values() if pool.started] or [dist_pool(2)]
     for pool in pools:
-        before = pool.run(_thread_names)
-        for _ in range(3):
-            assert pool.run(_make_groups_and_meshes) == [2.0 * pool.world_size] * pool.world_size
-        after = pool.run(_thread_names)
-        for rank, (old, new) in enumerate(zip(before, after, strict=True)):
-            total = sum(new.values())
-            assert total <= _MAX_WORKER_THREADS, f"world {pool.world_size} rank {rank}: {total} threads {new}"
-            assert new.get("pt_gloo_runloop", 0) <= old.get("pt_gloo_runloop", 0), (old, new)
+        counts = [sum(names.values()) for names in pool.run(_thread_names)]
+        assert max(counts) <= pool.max_worker_threads + _ONE_TASK_OF_GROUPS, (pool, counts)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+def test_pool_restarts_workers_past_the_thread_bound() -> None:
+    """Tasks that make process groups and meshes add threads; past ``max_worker_threads`` the next task runs on
+    fresh workers, so the count stays bounded however many such tasks run."""
+    with DistributedPool(2, max_worker_threads=20) as pool:
+        pids, counts = [], []
+        for _ in range(5):
+            assert pool.run(_make_groups_and_meshes) == [4.0, 4.0]
+            pids.append(tuple(pool.pids))
+            counts.append(max(pool.thread_counts()))
+        assert len(set(pids)) >= 2, (pids, counts)  # restarted at least once
+        assert max(counts) <= 20 + 3 * 3, counts  # one task adds three groups of three threads
+        assert counts[0] > 4, counts  # the groups of a task do keep threads (what the bound is for)
