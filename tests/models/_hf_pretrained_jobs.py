@@ -1,5 +1,5 @@
 """Jobs for tests/models/test_hf_pretrained.py: ``CausalLMModule(pretrained=folder)`` trained by Lightning inside
-the gloo pool (ZeRO-3 over 2 ranks, TP=2) and in one process, on the same global batches."""
+the gloo pool (ZeRO-3 over 2 ranks, TP=2, PP=2) and in one process, on the same global batches."""
 
 from __future__ import annotations
 
@@ -50,6 +50,12 @@ def _strategy(layout: str | None) -> Any:
         return ZeroStrategy(stage=3, cluster_environment=PoolEnvironment())
     if layout == "tp2":
         return NDParallelStrategy(cluster_environment=PoolEnvironment(), tensor_parallel=2)
+    if layout == "pp2":  # default schedule (1f1b) and ZeRO stage (3: built on meta, like ZeRO-3 and TP)
+        return NDParallelStrategy(cluster_environment=PoolEnvironment(), pipeline_parallel=2, microbatches=2)
+    if layout == "pp2_interleaved":  # V=2 stages per rank, default ZeRO-2: built on the CPU, not on meta
+        return NDParallelStrategy(
+            cluster_environment=PoolEnvironment(), pipeline_parallel=2, microbatches=2, schedule="interleaved_1f1b"
+        )
     raise ValueError(layout)
 
 
@@ -89,6 +95,10 @@ def fit(folder: str, layout: str | None) -> dict[str, Any]:
         k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for k, p in trainer.lightning_module.named_parameters()
     }
+    if layout is not None and layout.startswith("pp2"):  # each rank holds its stages' parameters: the union
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, params)
+        params = {k: v for part in gathered for k, v in part.items()}
     module = trainer.lightning_module
     read = getattr(module, "pretrained_elements_read", None)  # set when the weights were read into the shards
     return {"losses": losses.tolist(), "params": params, "first_batch": recorder.first_batch, "read": read}
@@ -96,3 +106,12 @@ def fit(folder: str, layout: str | None) -> dict[str, Any]:
 
 def parity_job(folders: list[str], layouts: list[str]) -> list[dict[str, Any]]:
     return [fit(folder, layout) for folder in folders for layout in layouts]
+
+
+def error_of(folder: str, layout: str) -> str:
+    """The error ``fit`` raises on this rank (``"no error"`` if none)."""
+    try:
+        fit(folder, layout)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
