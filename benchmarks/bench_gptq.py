@@ -47,7 +47,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calib-seqs", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8, help="calibration sequences per forward")
-    p.add_argument("--full", default="gpu,offload", help="full-depth variants to run: gpu, offload or both")
+    p.add_argument("--full", default="gpu,offload", help="full-depth variants to run: gpu, offload, both or none")
+    p.add_argument("--drivers", default="blockwise,prefix", help="drivers run at the reduced depths")
+    p.add_argument("--name", default=None, help="record name (default gptq-<preset>)")
     p.add_argument("--smoke", action="store_true", help="CPU-friendly run; writes to a temporary folder")
     return p.parse_args(argv)
 
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> Path:
     quantize_model(warm, qcfg, batches[:1])
     del warm
     for depth in reduced:
-        for variant, run in (("blockwise", lambda m: blockwise(m, False)), ("prefix", prefix)):
+        drivers = {"blockwise": lambda m: blockwise(m, False), "prefix": prefix}
+        for variant, run in ((d, drivers[d]) for d in args.drivers.split(",")):
             model = build(args.preset, depth, device)
             seconds, peak, _ = measure(lambda m=model, run=run: run(m), device)
             row = {"variant": f"{variant}-L{depth}", "layers": depth, "time_s": seconds, "peak_gpu_gib": peak}
@@ -107,17 +110,17 @@ def main(argv: list[str] | None = None) -> Path:
             print(row, flush=True)
             del model
             torch.cuda.empty_cache() if device == "cuda" else None
-    # prefix driver at full depth from t(L) = a L + b L (L + 1) / 2 through the two deepest reduced runs
-    (l1, t1), (l2, t2) = [(r["layers"], r["time_s"]) for r in peers[-2:]]
-    rows = torch.tensor([[l1, l1 * (l1 + 1) / 2], [l2, l2 * (l2 + 1) / 2]], dtype=torch.float64)
-    a, b = torch.linalg.solve(rows, torch.tensor([t1, t2], dtype=torch.float64)).tolist()
-    peers.append({"variant": "prefix-full", "layers": full, "time_s": a * full + b * full * (full + 1) / 2,
-                  "extrapolated": True, "per_block_s": a, "per_block_forward_s": b})
+    if len(peers) >= 2:  # prefix driver at full depth, t(L) = a L + b L (L + 1) / 2 through the two deepest runs
+        (l1, t1), (l2, t2) = [(r["layers"], r["time_s"]) for r in peers[-2:]]
+        rows = torch.tensor([[l1, l1 * (l1 + 1) / 2], [l2, l2 * (l2 + 1) / 2]], dtype=torch.float64)
+        a, b = torch.linalg.solve(rows, torch.tensor([t1, t2], dtype=torch.float64)).tolist()
+        peers.append({"variant": "prefix-full", "layers": full, "time_s": a * full + b * full * (full + 1) / 2,
+                      "extrapolated": True, "per_block_s": a, "per_block_forward_s": b})
 
     config = {"preset": args.preset, "layers": full, "reduced": reduced, "calib_seqs": args.calib_seqs,
               "seq_len": args.seq_len, "batch": args.batch, "bits": 4, "group_size": 128, "dtype": "float16"}
     path = _write(args, config, results, peers)  # after every full-depth variant too: a time limit loses nothing
-    for variant in args.full.split(","):
+    for variant in [v for v in args.full.split(",") if v in ("gpu", "offload")]:
         offload = variant == "offload"
         model = build(args.preset, full, device)
         if offload:
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 def _write(args: argparse.Namespace, config: dict[str, Any], results: list[dict], peers: list[dict]) -> Path:
     record = records.make_record(
-        f"gptq-{args.preset}",
+        args.name or f"gptq-{args.preset}",
         config,
         results,
         peers,
