@@ -111,17 +111,24 @@ def calibrate_inputs(
             raise _StopForward
 
         handles.append(stop_at.register_forward_hook(stop))
-    device = _model_device(model)
     try:
-        for batch in batches:
-            try:
-                forward(model, _to(batch, device))
-            except _StopForward:
-                pass
+        run_batches(model, batches, forward)
     finally:
         for h in handles:
             h.remove()
     return acc
+
+
+@torch.no_grad()
+def run_batches(model: nn.Module, batches: Iterable[Any], forward: Callable[[nn.Module, Any], Any]) -> None:
+    """``forward(model, batch)`` for each batch moved to the model's device; a hook raising ``_StopForward`` ends
+    that batch's forward early (calibration needs the model only up to the block it hooks)."""
+    device = _model_device(model)
+    for batch in batches:
+        try:
+            forward(model, _to(batch, device))
+        except _StopForward:
+            pass
 
 
 def sequential_groups(
@@ -245,6 +252,7 @@ __all__ = [
     "default_forward",
     "quantizable_linears",
     "quantize_model",
+    "run_batches",
     "sequential_groups",
     "set_module",
 ]

@@ -32,6 +32,7 @@ from lightning_llmopt.quantization.apply import (
     _to,
     calibrate_inputs,
     quantize_group,
+    run_batches,
     sequential_groups,
 )
 from lightning_llmopt.quantization.config import QuantConfig
@@ -70,13 +71,8 @@ def capture_block_inputs(
         raise _StopForward
 
     handle = first.register_forward_pre_hook(hook, with_kwargs=True)
-    model_device = _model_device(model)
     try:
-        for batch in batches:
-            try:
-                forward(model, _to(batch, model_device))
-            except _StopForward:
-                pass
+        run_batches(model, batches, forward)
     finally:
         handle.remove()
     if len(calls) != len(batches):
