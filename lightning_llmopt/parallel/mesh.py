@@ -17,8 +17,10 @@ per micro-batch, the least traffic); experts (issue 6) are sharded over ``"ep"``
 data-parallel ranks, and replicated (ZeRO-sharded) over ``"dp_rep"`` x ``"cp"``.
 
 :class:`ParallelDims` is pure (no ``torch.distributed`` calls): it resolves ``data_parallel="auto"`` and raises, naming
-the values, before any process group or collective exists. :func:`build_mesh` then creates the mesh, an
-:class:`NDMesh`: the root ``DeviceMesh`` plus its flattened views, indexed alike (``mesh["tp"]``, ``mesh["dp_cp"]``).
+the values, before any process group or collective exists; :meth:`ParallelDims.check_nodes` checks that the
+tensor- and context-parallel groups fit inside a node when there are several. :func:`build_mesh` then creates the
+mesh, an :class:`NDMesh`: the root ``DeviceMesh`` plus its flattened views, indexed alike (``mesh["tp"]``,
+``mesh["dp_cp"]``).
 """
 
 from __future__ import annotations
@@ -157,6 +159,27 @@ class ParallelDims:
             c = self.coordinates(r)
             groups.setdefault(tuple(c[n] for n in others), []).append(r)
         return list(groups.values())
+
+    def check_nodes(self, num_nodes: int, ranks_per_node: int) -> None:
+        """Raise unless every tensor- and context-parallel group lies inside one node (pure, before any collective).
+
+        A node holds the consecutive global ranks ``node_rank * ranks_per_node + local_rank``; ``"cp"`` and ``"tp"``
+        are the innermost mesh dimensions, so a group of ``tp * cp`` ranks is a block of consecutive ranks starting
+        at a multiple of ``tp * cp``. It stays inside a node exactly when ``tp * cp`` divides ``ranks_per_node``;
+        data and pipeline parallelism then span the nodes.
+        """
+        positive_int("num_nodes", num_nodes)
+        positive_int("ranks_per_node", ranks_per_node)
+        if num_nodes * ranks_per_node != self.world_size:
+            raise ValueError(
+                f"num_nodes*ranks_per_node ({num_nodes}*{ranks_per_node}) != world_size ({self.world_size})"
+            )
+        inner = self.tp * self.cp
+        if num_nodes > 1 and ranks_per_node % inner != 0:
+            raise ValueError(
+                f"tensor_parallel*context_parallel ({inner}) must divide the ranks per node ({ranks_per_node}) "
+                "so that TP/CP stay inside a node"
+            )
 
     def describe(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in zip(self.names, self.shape, strict=True))

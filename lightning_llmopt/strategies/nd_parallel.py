@@ -226,6 +226,7 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
     def setup_environment(self) -> None:
         self.set_world_ranks()  # what Lightning does first in setup_distributed; idempotent
         self.dims = ParallelDims.resolve(self.world_size, **self._degrees)  # before any collective
+        self.dims.check_nodes(self.num_nodes, self.world_size // self.num_nodes)  # TP/CP inside a node
         super().setup_environment()
         self._device_mesh = self.dims.build_mesh(self.root_device.type)
         if self.lightning_module is not None:
