@@ -76,7 +76,15 @@ def main(init_path: str, out: str) -> None:
     )
     if trainer.global_rank == 0:
         torch.save(result, Path(out) / "summary.pt")
+    # Every rank's files are written before any rank tears down, and the group is destroyed explicitly: gloo's
+    # worker threads otherwise meet the interpreter's exit and one rank in a few dozen aborts ("terminate called
+    # without an active exception", SIGABRT), after its work is done.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip C++ static destructors, which race with threads the gloo backend leaves behind
