@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import lightning as L
@@ -133,3 +134,32 @@ def test_meta_device_construction_through_configure_model():
     module.model.init_weights()
     out = module(torch.randint(0, 320, (1, 5)))
     assert torch.isfinite(out).all()
+
+
+def test_fused_kernels_auto_resolution():
+    from lightning_llmopt.models.config import FUSED_KERNELS
+    from lightning_llmopt.module import resolve_fused_kernels
+
+    triton = importlib.util.find_spec("triton") is not None
+    assert resolve_fused_kernels("auto", [], "cpu") == []  # CPU: as before
+    assert resolve_fused_kernels("auto", [], "cuda") == (list(FUSED_KERNELS) if triton else [])
+    assert resolve_fused_kernels("auto", ["rmsnorm"], "cuda") == ["rmsnorm"]  # the config's own choice wins
+    assert resolve_fused_kernels("none", ["rmsnorm"], "cuda") == []
+    assert resolve_fused_kernels(None, [], "cuda") == []
+    assert resolve_fused_kernels("swiglu,rope", [], "cpu") == ["rope", "swiglu"]
+    assert resolve_fused_kernels("all", [], "cpu") == list(FUSED_KERNELS)
+    with pytest.raises(ValueError, match="bogus"):
+        CausalLMModule("tiny", fused_kernels="bogus")
+
+
+def test_fused_kernels_default_on_cpu_builds_plain_model_and_names_opt_in():
+    from lightning_llmopt.parallel.fused import fused_modules
+
+    plain = CausalLMModule("tiny")
+    plain.configure_model()
+    assert fused_modules(plain.model) == []
+    fused = CausalLMModule("tiny", fused_kernels="all")
+    fused.configure_model()
+    assert "FusedRMSNorm" in fused_modules(fused.model)
+    # The saved config stays the one the user asked for, so a CPU reload of a GPU checkpoint stays plain.
+    assert fused.hparams["model"]["fused_kernels"] == []

@@ -237,3 +237,11 @@ def test_fit_pretrained_folder_then_generate_from_its_checkpoint(tmp_path, monke
         capsys,
     )
     assert code == 0 and out.startswith("=== prompt 0 ===\ndef\n--- completion 0.0"), err[-2000:]
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (CONFIG.parent).glob("*.yaml")))
+def test_every_example_config_parses(config, capsys):
+    """Each shipped config resolves through the CLI (classes, strategy arguments, model fields) without running."""
+    code, out, err = _in_process(["fit", "--config", str(CONFIG.parent / config), "--print_config"], capsys)
+    assert code == 0, err
+    assert "fused_kernels: auto" in out  # fast by default on CUDA, unchanged on CPU
