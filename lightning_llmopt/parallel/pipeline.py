@@ -32,6 +32,7 @@ linear layers' weight gradients queued, W computes them; no recomputation); ``sp
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -321,6 +322,8 @@ class PipelineRunner(PipelineForwardMixin):
         self._stages: list[Any] = []
         self._loss_fn: LossFn | None = None
         self._real_loss = False  # inside the schedule's own loss call (not its metadata inference)
+        # opt-in action timing (parallel.pipeline_trace.ActionRecorder); None: nothing is installed
+        self.recorder: Any = None
 
     def _scaled_loss(self, output: Any, rows: Tensor) -> Tensor:
         assert self._loss_fn is not None and self.config.microbatches is not None
@@ -394,8 +397,13 @@ class PipelineRunner(PipelineForwardMixin):
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         losses: list[Tensor] = []
         done = False
+        recording: Any = contextlib.nullcontext()
+        if self.recorder is not None:
+            self.recorder.attach(schedule, self._stages)
+            recording = self.recorder.step(self.pp_rank)
         try:
-            schedule.step(*((tokens,) if self.has_first else ()), target=rows, losses=losses, **kwargs)
+            with recording:
+                schedule.step(*((tokens,) if self.has_first else ()), target=rows, losses=losses, **kwargs)
             done = True
         finally:
             self._loss_fn = None
