@@ -122,10 +122,10 @@ class ActionRecorder:
                 continue
             self._attached.add(id(stage))
             idx = int(stage.stage_index)
-            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, lambda a, k, s=idx: ("F", s, _chunk(a, k)))
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk, functools.partial(_labelled, "F", idx))
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, functools.partial(_backward_kind, idx))
             stage.backward_weight_one_chunk = self._timed(
-                stage.backward_weight_one_chunk, lambda a, k, s=idx: ("W", s, _chunk(a, k))
+                stage.backward_weight_one_chunk, functools.partial(_labelled, "W", idx)
             )
             for name, tag in _TAGS.items():
                 setattr(stage, name, self._tagging(getattr(stage, name), tag, idx))
@@ -275,6 +275,10 @@ def _chunk(args: tuple, kwargs: dict) -> int | None:
     return int(args[0]) if args else None
 
 
+def _labelled(kind: str, stage: int, args: tuple, kwargs: dict) -> tuple[str, int | None, int | None]:
+    return kind, stage, _chunk(args, kwargs)
+
+
 def _backward_kind(stage: int, args: tuple, kwargs: dict) -> tuple[str, int | None, int | None]:
     full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
     return ("B" if full else "I"), stage, _chunk(args, kwargs)
@@ -286,7 +290,7 @@ def _is_loss(args: tuple, kwargs: dict) -> bool:
 
 
 def _loss_kind(args: tuple, kwargs: dict) -> tuple[str, int | None, int | None]:
-    stage = args[0] if args else kwargs.get("stage")
+    stage: Any = args[0] if args else kwargs.get("stage")
     mb = args[3] if len(args) > 3 else kwargs.get("mb_index")
     return "L", int(stage.stage_index), None if mb is None else int(mb)
 
