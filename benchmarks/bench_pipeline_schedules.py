@@ -19,10 +19,10 @@ schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev; the zero-b
     torchrun --standalone --nproc-per-node=4 benchmarks/bench_pipeline_schedules.py --preset 1b --seq-len 2048 4096
     python benchmarks/bench_pipeline_schedules.py --device cpu     # smoke: 2 gloo ranks, tiny model, not a result
 
-Record: ``benchmarks/results/pipeline-schedules-<preset>-<P>gpu-<device>.json`` (``records`` format), PNGs in
-``--png-dir`` (default ``docs/pipeline_timelines/measured-<device>``). ``--device cpu`` writes its record (marked
-``"smoke": true``) and PNGs under ``/tmp/pipeline-schedules-smoke`` unless told otherwise: CPU figures time the
-code paths, not the schedules.
+Record: ``benchmarks/results/pipeline-schedules-<preset>-s<seq>[-mb<rows>]-<P>gpu-<device>.json`` (``records``
+format), PNGs in ``--png-dir`` (default ``docs/pipeline_timelines/measured-<device>``). ``--device cpu`` writes
+its record (named ``...-<P>rank-smoke``, marked ``"smoke": true``) and PNGs under ``/tmp/pipeline-schedules-smoke``
+unless told otherwise: CPU figures time the code paths, not the schedules.
 """
 
 from __future__ import annotations
@@ -253,6 +253,11 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]], pp: int) -> None
     if smoke:
         notes.insert(0, "CPU/gloo SMOKE RUN of the code paths: not a performance result")
     name = f"pipeline-schedules-{args.preset}" + (f"-{args.layers}l" if args.layers else "")
+    name += (
+        "-s"
+        + "-".join(map(str, args.seq_len))
+        + (f"-mb{args.rows_per_microbatch}" if args.rows_per_microbatch > 1 else "")
+    )
     name += f"-{pp}rank-smoke" if smoke else f"-{pp}gpu"
     breakdown = {r["variant"]: r.pop("actions_per_rank") for r in rows if "actions_per_rank" in r}
     record = records.make_record(name, config, rows, [], benchmark="pipeline", ratio_metric=None, notes=notes)

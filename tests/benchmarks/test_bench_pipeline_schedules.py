@@ -47,10 +47,10 @@ def test_cpu_record_is_marked_smoke_and_renders(tmp_path: Path) -> None:
     assert (args.preset, args.seq_len, args.microbatches) == ("tiny", [32], 4)
     bench.write(args, [_row("1f1b", 1.0, 0.3, 0.2), _row("zbv", 0.9, 0.1, 0.04)], 2)
     (path,) = tmp_path.glob("*.json")
-    assert path.name == "pipeline-schedules-tiny-8l-2rank-smoke-cpu.json"
+    assert path.name == "pipeline-schedules-tiny-8l-s32-2rank-smoke-cpu.json"
     record = json.loads(path.read_text())
     assert record["config"]["smoke"] is True and "SMOKE" in record["notes"][0]
     assert record["checks"]["1f1b-s32-m4_bubble_within_5_points"] is False  # 10 points above
     assert "actions_per_rank" not in record["results"][0]
     assert record["breakdown"]["zbv-s32-m4"][1]["F"]["count"] == 4
-    assert "### pipeline-schedules-tiny-8l-2rank-smoke" in render_results.render([record])
+    assert "### pipeline-schedules-tiny-8l-s32-2rank-smoke" in render_results.render([record])
