@@ -299,6 +299,9 @@ class PipelineRunner(PipelineForwardMixin):
         device: where activations live.
         boundary: with tensor parallelism, a :class:`~lightning_llmopt.parallel.pipeline_tp.TPStageBoundary` over
             this rank's ``"tp"`` mesh: its hooks keep what crosses between stages plain tensors.
+
+    Set ``runner.recorder`` to a :class:`~lightning_llmopt.parallel.pipeline_trace.ActionRecorder` to time every
+    action of the following training steps (``None``, the default, installs nothing).
     """
 
     def __init__(
