@@ -11,7 +11,7 @@ schedule (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev; the zero-b
   (CUDA events on GPU): per rank and per action kind (F, B, I, W, L, send/recv posting, transfer waits) seconds and
   counts, host bookkeeping between actions, busy/idle fractions, stage imbalance and the measured bubble against the
   plan's theoretical bubble (:mod:`~lightning_llmopt.parallel.pipeline_timeline`); the step with the median window
-  is kept;
+  is kept; with ``--profile-dir`` one more step under ``torch.profiler`` per schedule (Chrome trace per rank);
 - a PNG per schedule: the measured timeline above the theoretical one of the same P, M and V;
 - speedup over 1F1B at the same sequence length and M, and the issue's acceptance checks (interleaved >= 1.10x,
   zero_bubble/zbv/dualpipev >= 1.15x, 1F1B's measured bubble within 5 points of (P-1)/(M+P-1)).
@@ -105,8 +105,7 @@ def run_one(
     args: argparse.Namespace, name: str, v: int, split_backward: str, seq: int, device: torch.device
 ) -> dict[str, Any]:
     """Timed steps (recorder off), then recorded steps; every rank returns the row (traces gathered)."""
-    from lightning_llmopt.parallel.pipeline_timeline import bubble_summary, draw_timelines
-    from lightning_llmopt.parallel.pipeline_trace import ActionRecorder, StepTrace
+    from lightning_llmopt.parallel.pipeline_trace import ActionRecorder
 
     m = args.microbatches
     model, runner, cfg = build_runner(args, name, v, m, split_backward, device)
@@ -132,25 +131,12 @@ def run_one(
         torch.cuda.reset_peak_memory_stats(device)
     times = [step() for _ in range(args.warmup + args.steps)][args.warmup :]
     peak = _peak_memory_gib(device)
-    runner.recorder = ActionRecorder(cuda_events=device.type == "cuda", keep=args.record_steps)
+    runner.recorder = recorder = ActionRecorder(cuda_events=device.type == "cuda", keep=args.record_steps)
     recorded = [step() for _ in range(args.record_steps)]
-    mine = [t.to_dict() for t in runner.recorder.traces]
-    runner.recorder = None
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"traces": mine, "peak": peak})
-    # the recorded step whose window (over all ranks) is the median one
-    steps = [[StepTrace.from_dict(g["traces"][i]) for g in gathered] for i in range(len(mine))]
-    summaries = [bubble_summary(s, name, m, v) for s in steps]
-    order = sorted(range(len(steps)), key=lambda i: summaries[i]["window_s"])
-    pick = order[len(order) // 2]
-    summary, traces = summaries[pick], steps[pick]
     variant = f"{name}-s{seq}-m{m}" + ("-torchsplit" if name in ZERO_BUBBLE and split_backward == "torch" else "")
-    png = None
-    if dist.get_rank() == 0 and args.png_dir:
-        Path(args.png_dir).mkdir(parents=True, exist_ok=True)
-        png = str(Path(args.png_dir) / f"{variant}.png")
-        label = f", seq {seq}, {args.rows_per_microbatch} row(s)/micro-batch, split {split_backward}"
-        draw_timelines(traces, png, name, m, v, title=label)
+    runner.recorder, profiled = None, None
+    if args.profile_dir:  # one more step under torch.profiler (kernels, host operators), recorder off
+        profiled = profile_step(step, device, Path(args.profile_dir) / f"{variant}-rank{dist.get_rank()}.json.gz")
     step_s = statistics.median(times)
     return {
         "variant": variant,
@@ -162,6 +148,31 @@ def run_one(
         "step_s": step_s,
         "tokens_per_s": rows * seq / step_s,
         "recorded_step_s": statistics.median(recorded),
+        **summarise(args, variant, name, v, recorder.traces, peak, f", seq {seq}, split {split_backward}"),
+        **({"profiled_step_s": profiled} if profiled is not None else {}),
+    }
+
+
+def summarise(
+    args: argparse.Namespace, variant: str, name: str, v: int, traces: list[Any], peak: float, label: str
+) -> dict[str, Any]:
+    """Gather every rank's recorded steps, keep the one whose window is the median, draw it (rank 0)."""
+    from lightning_llmopt.parallel.pipeline_timeline import bubble_summary, draw_timelines
+    from lightning_llmopt.parallel.pipeline_trace import StepTrace
+
+    m = args.microbatches
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"traces": [t.to_dict() for t in traces], "peak": peak})
+    steps = [[StepTrace.from_dict(g["traces"][i]) for g in gathered] for i in range(len(traces))]
+    summaries = [bubble_summary(s, name, m, v) for s in steps]
+    pick = sorted(range(len(steps)), key=lambda i: summaries[i]["window_s"])[len(steps) // 2]
+    summary = summaries[pick]
+    png = None
+    if dist.get_rank() == 0 and args.png_dir:
+        Path(args.png_dir).mkdir(parents=True, exist_ok=True)
+        png = str(Path(args.png_dir) / f"{variant}.png")
+        draw_timelines(steps[pick], png, name, m, v, title=f"{label}, {args.rows_per_microbatch} row(s)/micro-batch")
+    return {
         "peak_memory_gib_per_rank": [g["peak"] for g in gathered],
         "measured_bubble": summary["measured_bubble"],
         "theory_bubble": summary["theory_bubble"],
@@ -174,6 +185,19 @@ def run_one(
         "window_s": summary["window_s"],
         "timeline_png": png,
     }
+
+
+def profile_step(step: Any, device: torch.device, path: Path) -> float:
+    """Run ``step`` under ``torch.profiler`` (CPU + CUDA activities; torch's schedules open a range per action) and
+    write its Chrome trace to ``path``; returns the step's seconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        seconds = step()
+    prof.export_chrome_trace(str(path))
+    return seconds
 
 
 def add_comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -200,6 +224,7 @@ def worker(args: argparse.Namespace) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    args.png_dir = default_png_dir(args, device)
     rows: list[dict[str, Any]] = []
     for seq in args.seq_len:
         for name, v in SCHEDULES:
@@ -287,6 +312,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on cuda, 2 on cpu)")
     parser.add_argument("--record-steps", type=int, default=3, help="recorded steps (the median window is kept)")
     parser.add_argument("--png-dir", default=None)
+    parser.add_argument("--profile-dir", default=None, help="also write a torch.profiler Chrome trace per variant/rank")
     parser.add_argument("--results-dir", default=None)
     args = parser.parse_args(argv)
     cpu = args.device == "cpu"
@@ -296,11 +322,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.microbatches = args.microbatches or (4 if cpu else 16)
     args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
     args.steps = args.steps if args.steps is not None else (2 if cpu else 10)
-    if args.png_dir is None:
-        slug = "cpu-smoke" if cpu else records.slugify(torch.cuda.get_device_name(0))
-        base = SMOKE_DIR if cpu else records.REPO_ROOT / "docs" / "pipeline_timelines"
-        args.png_dir = str(base / f"measured-{slug}")
     return args
+
+
+def default_png_dir(args: argparse.Namespace, device: torch.device) -> str:
+    """``--png-dir`` or ``docs/pipeline_timelines/measured-<gpu>`` (CPU: under the smoke directory)."""
+    if args.png_dir:
+        return args.png_dir
+    if device.type == "cpu":
+        return str(SMOKE_DIR / "measured-cpu-smoke")
+    slug = records.slugify(torch.cuda.get_device_name(device))
+    return str(records.REPO_ROOT / "docs" / "pipeline_timelines" / f"measured-{slug}")
 
 
 def main() -> None:
