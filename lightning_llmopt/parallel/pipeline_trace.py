@@ -11,8 +11,9 @@ rank, one :class:`StepTrace`. Steps:
    tag the point-to-point ops they return with their direction, stage and micro-batch).
 2. :meth:`ActionRecorder.step` (a context around ``schedule.step``) swaps ``torch.distributed.pipelining.schedules``'
    ``_batch_p2p`` (posting sends/receives: ``send``, ``recv`` or ``sendrecv``) and ``_wait_batch_p2p`` (``wait``)
-   for timed versions, and restores them on exit. Both are private torch functions (torch 2.4 to 2.13); without
-   them only the compute actions are recorded.
+   for timed versions, and restores them on exit. Both are private torch functions (checked on torch 2.13, where
+   every schedule posts and waits through them); where a torch lacks them only the compute actions are recorded,
+   and where it waits on transfers without ``_wait_batch_p2p`` the waits count as idle time.
 3. Each action gets host times (``time.perf_counter_ns``, CLOCK_MONOTONIC on Linux, so comparable across the
    processes of one host) and, on CUDA, device times from a pair of CUDA events on the current stream, read after
    the step (one ``torch.cuda.synchronize``): on a GPU compute is asynchronous, so the device times are the ones
