@@ -402,8 +402,7 @@ class PipelineRunner(PipelineForwardMixin):
         done = False
         recording: Any = contextlib.nullcontext()
         if self.recorder is not None:
-            self.recorder.attach(schedule, self._stages)
-            recording = self.recorder.step(self.pp_rank)
+            recording = self.recorder.step(self.pp_rank, schedule, self._stages)
         try:
             with recording:
                 schedule.step(*((tokens,) if self.has_first else ()), target=rows, losses=losses, **kwargs)

@@ -4,16 +4,16 @@ Opt-in and off by default: :class:`~lightning_llmopt.parallel.pipeline.PipelineR
 then nothing here is installed. With ``runner.recorder = ActionRecorder()`` every ``train_step`` records, on this
 rank, one :class:`StepTrace`. Steps:
 
-1. :meth:`ActionRecorder.attach` (the runner calls it before each recorded step; idempotent) wraps, on the instances
-   only, each local stage's ``forward_one_chunk`` (``F``), ``backward_one_chunk`` (``B`` for a full backward, ``I``
-   for the input-gradient half of a split one), ``backward_weight_one_chunk`` (``W``), the schedule's
-   ``_maybe_compute_loss`` (``L``, last stage only) and the stage's ``get_{fwd,bwd}_{send,recv}_ops`` (which only
-   tag the point-to-point ops they return with their direction, stage and micro-batch).
-2. :meth:`ActionRecorder.step` (a context around ``schedule.step``) swaps ``torch.distributed.pipelining.schedules``'
-   ``_batch_p2p`` (posting sends/receives: ``send``, ``recv`` or ``sendrecv``) and ``_wait_batch_p2p`` (``wait``)
-   for timed versions, and restores them on exit. Both are private torch functions (checked on torch 2.13, where
-   every schedule posts and waits through them); where a torch lacks them only the compute actions are recorded,
-   and where it waits on transfers without ``_wait_batch_p2p`` the waits count as idle time.
+1. :meth:`ActionRecorder.step` ``(rank, schedule, stages)`` (a context around ``schedule.step``; the runner enters it)
+   wraps, on the instances only, each local stage's ``forward_one_chunk`` (``F``), ``backward_one_chunk`` (``B`` for
+   a full backward, ``I`` for the input-gradient half of a split one), ``backward_weight_one_chunk`` (``W``), the
+   schedule's ``_maybe_compute_loss`` (``L``, last stage only) and the stage's ``get_{fwd,bwd}_{send,recv}_ops``
+   (which only tag the point-to-point ops they return with their direction, stage and micro-batch).
+2. It also swaps ``torch.distributed.pipelining.schedules``' ``_batch_p2p`` (posting sends/receives: ``send``,
+   ``recv`` or ``sendrecv``) and ``_wait_batch_p2p`` (``wait``) for timed versions. On exit everything is restored:
+   outside a recorded step nothing of this module is installed. Both are private torch functions (checked on torch
+   2.13, where every schedule posts and waits through them); where a torch lacks them only the compute actions are
+   recorded, and where it waits on transfers without ``_wait_batch_p2p`` the waits count as idle time.
 3. Each action gets host times (``time.perf_counter_ns``, CLOCK_MONOTONIC on Linux, so comparable across the
    processes of one host) and, on CUDA, device times from a pair of CUDA events on the current stream, read after
    the step (one ``torch.cuda.synchronize``): on a GPU compute is asynchronous, so the device times are the ones
@@ -107,7 +107,6 @@ class ActionRecorder:
         self.cuda_events = cuda_events
         self.keep = keep
         self.traces: list[StepTrace] = []
-        self._attached: set[int] = set()
         self._active = False
         self._depth = 0
         self._pending: list[tuple[str, int | None, int | None, int, int, Any, Any, str]] = []
@@ -116,12 +115,18 @@ class ActionRecorder:
         self._use_events = False
 
     # ---------------------------------------------------------------- installation
-    def attach(self, schedule: Any, stages: list[Any]) -> None:
-        """Wrap the methods of ``schedule`` and its local ``stages`` (instances only; once per object)."""
+    _STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", *_TAGS)
+
+    def _attach(self, schedule: Any, stages: list[Any]) -> list[tuple[Any, str]]:
+        """Wrap the methods of ``schedule`` and its local ``stages`` (instance attributes shadowing the class's);
+        returns what :meth:`_detach` removes."""
         for stage in stages:
-            if id(stage) in self._attached:
-                continue
-            self._attached.add(id(stage))
+            if any(name in vars(stage) for name in self._STAGE_METHODS):
+                raise RuntimeError(f"stage {stage.stage_index} already has instance-level pipeline methods")
+        if "_maybe_compute_loss" in vars(schedule):
+            raise RuntimeError("the schedule already has an instance-level _maybe_compute_loss")
+        installed: list[tuple[Any, str]] = []
+        for stage in stages:
             idx = int(stage.stage_index)
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk, functools.partial(_labelled, "F", idx))
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk, functools.partial(_backward_kind, idx))
@@ -130,9 +135,14 @@ class ActionRecorder:
             )
             for name, tag in _TAGS.items():
                 setattr(stage, name, self._tagging(getattr(stage, name), tag, idx))
-        if id(schedule) not in self._attached:
-            self._attached.add(id(schedule))
-            schedule._maybe_compute_loss = self._timed(schedule._maybe_compute_loss, _loss_kind, when=_is_loss)
+            installed += [(stage, name) for name in self._STAGE_METHODS]
+        schedule._maybe_compute_loss = self._timed(schedule._maybe_compute_loss, _loss_kind, when=_is_loss)
+        return [*installed, (schedule, "_maybe_compute_loss")]
+
+    @staticmethod
+    def _detach(installed: list[tuple[Any, str]]) -> None:
+        for obj, name in installed:
+            obj.__dict__.pop(name, None)
 
     def _timed(
         self,
@@ -213,12 +223,14 @@ class ActionRecorder:
 
     # ---------------------------------------------------------------- one step
     @contextmanager
-    def step(self, rank: int) -> Iterator[None]:
-        """Record the actions run inside this context as one :class:`StepTrace` of pipeline rank ``rank``."""
+    def step(self, rank: int, schedule: Any, stages: list[Any]) -> Iterator[None]:
+        """Record the actions of ``schedule`` and its local ``stages`` run inside this context as one
+        :class:`StepTrace` of pipeline rank ``rank``."""
         from torch.distributed.pipelining import schedules
 
         use = self.cuda_events if self.cuda_events is not None else torch.cuda.is_initialized()
         self._use_events = bool(use) and torch.cuda.is_available()
+        installed = self._attach(schedule, stages)  # before the patch below: it may raise
         saved = {n: getattr(schedules, n, None) for n in ("_batch_p2p", "_wait_batch_p2p")}
         if saved["_batch_p2p"] is not None and saved["_wait_batch_p2p"] is not None:
             schedules._batch_p2p = self._batch_p2p(saved["_batch_p2p"])  # type: ignore[attr-defined]
@@ -242,6 +254,7 @@ class ActionRecorder:
             for name, fn in saved.items():
                 if fn is not None:
                     setattr(schedules, name, fn)
+            self._detach(installed)
             self._finish(rank, t0, t1, start_event, end_event)
 
     def _finish(self, rank: int, t0: int, t1: int, start_event: Any, end_event: Any) -> None:

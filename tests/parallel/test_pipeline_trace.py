@@ -68,11 +68,11 @@ def state_and_data() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 def test_recorder_changes_nothing_and_records_each_action_once(
     dist_pool: Any, state_and_data: tuple[dict[str, torch.Tensor], torch.Tensor], schedule: str
 ) -> None:
-    """Recorder on vs off: bitwise equal losses and gradients; nothing installed when off, torch's p2p functions
-    restored after a recorded step. The recorded compute actions of each rank are exactly its action list in the
-    schedule's order (GPipe/1F1B by definition, the others from torch's schedule tables,
-    ``pipeline_plan.schedule_orders``): every stage x micro-batch has one F and one B, or one I and one W, and the last
-    stage one loss per micro-batch; every posted transfer is waited on."""
+    """Recorder on vs off: bitwise equal losses and gradients; nothing of the recorder left installed after a
+    recorded step (stage and schedule methods, torch's p2p functions). The recorded compute actions of each rank are
+    exactly its action list in the schedule's order (GPipe/1F1B by definition, the others from torch's schedule
+    tables, ``pipeline_plan.schedule_orders``): every stage x micro-batch has one F and one B, or one I and one W,
+    and the last stage one loss per micro-batch; every posted transfer is waited on."""
     import torch.distributed.pipelining as pipelining
 
     from lightning_llmopt.parallel.pipeline_plan import schedule_orders
@@ -90,7 +90,7 @@ def test_recorder_changes_nothing_and_records_each_action_once(
         assert a["losses"] == b["losses"], (schedule, a["losses"], b["losses"])
         assert a["grads"].keys() == b["grads"].keys()
         assert all(torch.equal(a["grads"][k], b["grads"][k]) for k in a["grads"]), schedule
-        assert not a["wrapped"] and b["wrapped"] and a["restored"] and b["restored"]
+        assert not a["wrapped"] and not b["wrapped"] and a["restored"] and b["restored"]  # nothing left installed
         assert len(b["traces"]) == 2
         for trace in map(StepTrace.from_dict, b["traces"]):
             compute = [(x.stage, x.kind, x.microbatch) for x in trace.actions if x.kind in "FBIW"]
