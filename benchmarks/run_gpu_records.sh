@@ -10,6 +10,9 @@
 #   pptest      the pipeline tests (CPU, gloo) on this machine's torch, before the timings
 #   pp pp44     every pipeline schedule at M=8 and 16 on all GPUs, 1b and 44 layers (issue 5); micro-batches of
 #               2 rows x 2048 tokens: at 1 row one 11-layer stage is bound by the host (profile_stage.py)
+#   ppsched ppsched4k  issue 44: every schedule (and torch's B/W split beside ours) at P=N, M=16 with the action
+#               recorder: tokens/s, measured vs theoretical bubble, per-action breakdown, acceptance checks, timeline
+#               PNGs (docs/pipeline_timelines/measured-<gpu>/, copied to $OUT); seq 2048 x 2 rows, 4096 x 1 row
 #   ppfused     pp with our fused RMSNorm/RoPE/SwiGLU and flash attention (fewer kernel launches per layer)
 #   zero        ZeRO stages against ddp and fsdp on all GPUs (issue 3); zero3: only fsdp and zero3, merged into the
 #               record
@@ -36,6 +39,7 @@ copy_out() {
     find benchmarks/results -name '*.json' -newer "$START_MARK" -exec cp {} "$OUT/results/" \; 2>/dev/null || true
     tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null || true
     cp "$LOG" "$OUT/records.log" 2>/dev/null || true
+    cp -r docs/pipeline_timelines/measured-* "$OUT/" 2>/dev/null || true
   fi
 }
 trap copy_out EXIT
@@ -61,6 +65,10 @@ for s in "$@"; do
       tests/parallel/test_pipeline.py ;;  # the deferred B/W split on this machine's torch (2.11) before timing it
     pp) step 280 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
       --warmup 2 --steps 6 ;;
+    ppsched) step 400 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline_schedules.py --preset 1b \
+      --seq-len 2048 --rows-per-microbatch 2 --microbatches 16 --split-backward deferred torch ;;
+    ppsched4k) step 400 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline_schedules.py \
+      --preset 1b --seq-len 4096 --rows-per-microbatch 1 --microbatches 16 --split-backward deferred torch ;;
     ppfused) step 280 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \
       --fused-kernels rmsnorm rope swiglu --attn-backend triton --warmup 2 --steps 6 ;;
     pp44) step 300 torchrun --standalone --nproc-per-node="$N" benchmarks/bench_pipeline.py --preset 1b \

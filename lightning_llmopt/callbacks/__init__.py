@@ -5,6 +5,7 @@ from lightning_llmopt.callbacks.batch_size_finder import MicroBatchSizeFinder
 from lightning_llmopt.callbacks.curriculum import Curriculum
 from lightning_llmopt.callbacks.distillation import Distillation
 from lightning_llmopt.callbacks.monitor import TrainingMonitor, peak_flops
+from lightning_llmopt.callbacks.pipeline_timeline import PipelineTimeline
 from lightning_llmopt.callbacks.pruning import Pruning
 from lightning_llmopt.callbacks.qat import QuantizationAwareTraining
 from lightning_llmopt.callbacks.sequence_packing import SequencePacking
@@ -14,6 +15,7 @@ __all__ = [
     "Curriculum",
     "Distillation",
     "MicroBatchSizeFinder",
+    "PipelineTimeline",
     "Pruning",
     "QuantizationAwareTraining",
     "SequencePacking",

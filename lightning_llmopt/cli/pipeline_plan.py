@@ -38,29 +38,15 @@ def render_text(p: Plan) -> str:
 
 
 def write_png(p: Plan, path: str) -> bool:
-    """Draw the timeline; ``False`` (and a message) without matplotlib."""
-    try:
-        import matplotlib
+    """Draw the theoretical timeline (:func:`~lightning_llmopt.parallel.pipeline_timeline.draw_plan`, labelled
+    theoretical); ``False`` (and a message) without matplotlib."""
+    from lightning_llmopt.parallel.pipeline_timeline import draw_plan
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed (pip install matplotlib): {path} not written", file=sys.stderr)
+    try:
+        draw_plan(p, path)
+    except ImportError as exc:
+        print(f"{exc}: {path} not written", file=sys.stderr)
         return False
-    colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
-    fig, ax = plt.subplots(figsize=(max(6.0, p.makespan * 0.25), 0.6 * p.pp + 1.2))
-    for r, ops in enumerate(p.timeline):
-        for start, end, op in ops:
-            ax.barh(r, end - start, left=start, color=colours[op.kind], edgecolor="black", linewidth=0.4)
-            ax.text((start + end) / 2, r, f"{op.kind}{op.microbatch}", ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(p.pp), [f"rank {r}" for r in range(p.pp)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (forward passes)")
-    theory = f", theory {p.theory:.3f}" if p.theory is not None else ""
-    ax.set_title(f"{p.schedule} P={p.pp} M={p.microbatches} V={p.virtual_stages}: bubble {p.bubble:.3f}{theory}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
     return True
 
 
@@ -71,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks P")
     parser.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches M")
     parser.add_argument("--virtual-stages", "-v", type=int, default=None, help="stages per rank V")
-    parser.add_argument("--png", default=None, help="write the timeline as a PNG (needs matplotlib)")
+    parser.add_argument("--png", default=None, help="write the theoretical timeline as a PNG (the plot extra)")
     args = parser.parse_args(argv)
     if args.pp < 2 or args.microbatches < 1:
         parser.error(f"--pp ({args.pp}) must be >= 2 and --microbatches ({args.microbatches}) >= 1")

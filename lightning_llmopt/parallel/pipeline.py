@@ -32,6 +32,7 @@ linear layers' weight gradients queued, W computes them; no recomputation); ``sp
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -298,6 +299,9 @@ class PipelineRunner(PipelineForwardMixin):
         device: where activations live.
         boundary: with tensor parallelism, a :class:`~lightning_llmopt.parallel.pipeline_tp.TPStageBoundary` over
             this rank's ``"tp"`` mesh: its hooks keep what crosses between stages plain tensors.
+
+    Set ``runner.recorder`` to a :class:`~lightning_llmopt.parallel.pipeline_trace.ActionRecorder` to time every
+    action of the following training steps (``None``, the default, installs nothing).
     """
 
     def __init__(
@@ -321,6 +325,8 @@ class PipelineRunner(PipelineForwardMixin):
         self._stages: list[Any] = []
         self._loss_fn: LossFn | None = None
         self._real_loss = False  # inside the schedule's own loss call (not its metadata inference)
+        # opt-in action timing (parallel.pipeline_trace.ActionRecorder); None: nothing is installed
+        self.recorder: Any = None
 
     def _scaled_loss(self, output: Any, rows: Tensor) -> Tensor:
         assert self._loss_fn is not None and self.config.microbatches is not None
@@ -394,8 +400,12 @@ class PipelineRunner(PipelineForwardMixin):
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         losses: list[Tensor] = []
         done = False
+        recording: Any = contextlib.nullcontext()
+        if self.recorder is not None:
+            recording = self.recorder.step(self.pp_rank, schedule, self._stages)
         try:
-            schedule.step(*((tokens,) if self.has_first else ()), target=rows, losses=losses, **kwargs)
+            with recording:
+                schedule.step(*((tokens,) if self.has_first else ()), target=rows, losses=losses, **kwargs)
             done = True
         finally:
             self._loss_fn = None
