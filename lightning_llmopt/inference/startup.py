@@ -56,7 +56,7 @@ class StartupLog:
         self.phases: list[Phase] = []
         self.current: str | None = None
         self.start = time.perf_counter()
-        self.total_s: float | None = None  # set by :meth:`done`
+        self.total_s: float | None = None  # set by :meth:`done`: seconds from the first phase's start
         self.counters: dict[str, float] = {}  # accumulated by listeners (Triton)
         self._sources: list[Callable[[], dict[str, float]]] = []
         self._phase_start = self.start
@@ -88,6 +88,8 @@ class StartupLog:
     def mark(self, name: str | None) -> None:
         """End the current phase (if any) and start ``name`` (``None``: start none)."""
         now = time.perf_counter()
+        if self.current is None and not self.phases:  # the build starts with its first phase
+            self.start = now
         totals = self._totals()
         if self.current is not None:
             moved = {k: _round(v - self._snapshot.get(k, 0.0)) for k, v in totals.items()}
