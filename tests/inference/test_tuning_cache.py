@@ -170,3 +170,41 @@ def test_a_warm_build_times_nothing(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert TuningCache(CPU, tmp_path).get("linear", next(iter(first.runner.linear.use_gemv))) is not None
+
+
+def _host_bytes(fn) -> int:
+    """Bytes of the CPU tensors the ops run by ``fn()`` produce (a dispatch mode sees every op's outputs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    Count.total += t.numel() * t.element_size()
+            return out
+
+    with Count():
+        fn()
+    return Count.total
+
+
+def test_random_model_is_built_where_it_runs():
+    """``random_model`` touches no host memory for the weights (the target here is the meta device, standing in for
+    the GPU); ``Llama(config).to(device, dtype)`` fills every weight on the host first, in fp32."""
+    from lightning_llmopt.inference.loading import random_model
+
+    config = LlamaConfig.from_preset("tiny")
+    n = sum(p.numel() for p in Llama(config).parameters())
+    old = _host_bytes(lambda: Llama(config).to(device="meta", dtype=torch.bfloat16))
+    new = _host_bytes(lambda: random_model(config, "meta", torch.bfloat16))
+    # new: only the RoPE table (reset_buffers computes it on the host when the target is meta), 2.5% of the old
+    assert old >= 4 * n and new < 0.05 * old
+    torch.manual_seed(0)
+    model = random_model(config, "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.rope.dtype == torch.float32
+    ref = Llama(config)  # the same initialisation: same spread per weight (init_std, and the scaled wo/w2)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert abs(p.float().std().item() - q.std().item()) <= 0.1 * q.std().item() + 1e-6, name
