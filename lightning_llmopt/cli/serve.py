@@ -108,9 +108,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     uv: Any = None
     failure: list[str] = []
 
-    def failed(message: str) -> None:  # on the engine thread: stop serving, exit non-zero below
+    def failed(message: str) -> None:  # on the engine thread: stop serving, exit non-zero with the message below
         failure.append(message)
-        print(f"llmopt serve: building the engine failed: {message}", file=sys.stderr, flush=True)
         if uv is not None:
             uv.should_exit = True
 

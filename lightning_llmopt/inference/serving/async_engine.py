@@ -175,9 +175,11 @@ class AsyncEngine:
                 phase = self.startup.current if self.startup is not None else None
                 where = f" (in phase {phase!r})" if phase else ""
                 self.state, self.load_error = "failed", f"{type(exc).__name__}: {exc}{where}"
-                log.exception("building the engine failed%s", where)
+                log.debug("building the engine failed%s", where, exc_info=True)
                 if self.on_failed is not None:
                     self.on_failed(self.load_error)
+                else:  # nobody else reports it: one line (the traceback at DEBUG)
+                    log.error("building the engine failed: %s", self.load_error)
                 return
             if self.startup is None:
                 self.startup = getattr(engine, "startup", None)
