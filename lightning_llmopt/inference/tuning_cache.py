@@ -12,13 +12,14 @@ What the engine tunes per shape, and where it is kept:
   tuning key and the candidate configurations.
 
 The first two live in one JSON file per *environment*: ``<dir>/<hash>.json`` where the hash is that of the
-fingerprint (:func:`environment`: GPU name and compute capability, torch, CUDA, Triton and package versions, and the
-environment variables that change a decision). Each entry's key holds the shape, dtype and quantization. ``<dir>``
-is ``$LLMOPT_CACHE_DIR/tuning``, else ``$XDG_CACHE_HOME/lightning_llmopt/tuning``, else
-``~/.cache/lightning_llmopt/tuning``; ``LLMOPT_TUNING_CACHE=0`` (or ``EngineConfig(tuning_cache=False)``) turns the
-cache off. Writes go to a temporary file in the same folder, then ``os.replace``: a crash leaves the old file or the
-new one, never half of one. A file that does not parse, or whose fingerprint is not this environment's (copied from
-another machine), is ignored with a warning and rewritten at the next decision.
+fingerprint (:func:`environment`: GPU name and compute capability, torch, CUDA, Triton and package versions, a hash
+of the sources of the kernels timed and of the timing code, and the environment variables that change a decision).
+Each entry's key holds the shape, dtype and quantization. ``<dir>`` is ``$LLMOPT_CACHE_DIR/tuning``, else
+``$XDG_CACHE_HOME/lightning_llmopt/tuning``, else ``~/.cache/lightning_llmopt/tuning``; ``LLMOPT_TUNING_CACHE=0``
+(or ``EngineConfig(tuning_cache=False)``) turns the cache off. Writes go to a temporary file in the same folder,
+then ``os.replace``: a crash leaves the old file or the new one, never half of one. A file that does not parse, or
+whose fingerprint is not this environment's (copied from another machine), is ignored with a warning and rewritten
+at the next decision.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def _version(module: str) -> str | None:
 
 def environment(device: torch.device | str) -> dict[str, Any]:
     """What invalidates every stored decision: the device (GPU name and compute capability), the torch, CUDA, Triton
-    and ``lightning_llmopt`` versions, the cache format, and the environment variables that steer a decision."""
+    and ``lightning_llmopt`` versions, the cache format, the environment variables that steer a decision, and a hash
+    of the kernels' and the tuners' sources (a development tree keeps its version while they change)."""
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -79,7 +81,31 @@ def environment(device: torch.device | str) -> dict[str, Any]:
         "triton": _version("triton"),
         "lightning_llmopt": _package_version(),
         "env": {k: os.environ.get(k) for k in _ENV_VARS},
+        "code": _code_hash(),
     }
+
+
+# the sources whose change can change a decision (the kernels timed, and how they are timed): a development tree
+# keeps its version number while they change
+_TUNED_SOURCES = (
+    "inference/gemv.py",
+    "inference/linear_chooser.py",
+    "inference/decode_kernels.py",
+    "kernels/quant_matmul_fwd.py",
+    "kernels/quant_matmul_tune.py",
+)
+
+
+def _code_hash() -> str:
+    import lightning_llmopt
+
+    root = Path(lightning_llmopt.__file__).parent
+    digest = hashlib.sha256()
+    for rel in _TUNED_SOURCES:
+        path = root / rel
+        digest.update(rel.encode())
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    return digest.hexdigest()[:16]
 
 
 def _package_version() -> str | None:

@@ -49,6 +49,9 @@ def test_keys_follow_versions_and_shapes(tmp_path, monkeypatch):
     monkeypatch.setattr(tc, "_version", lambda name: "0.0.1" if name == "triton" else None)
     assert TuningCache(CPU, tmp_path).path != base.path
     monkeypatch.undo()
+    monkeypatch.setattr(tc, "_TUNED_SOURCES", (*tc._TUNED_SOURCES[:-1], "inference/engine.py"))  # edited kernels
+    assert TuningCache(CPU, tmp_path).path != base.path
+    monkeypatch.undo()
     monkeypatch.setenv("LLMOPT_PDL", "0")  # changes what the chooser would decide
     assert TuningCache(CPU, tmp_path).path != base.path
     monkeypatch.delenv("LLMOPT_PDL")
