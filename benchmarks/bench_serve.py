@@ -42,7 +42,8 @@ import records  # noqa: E402
 from bench_decode import SHAREGPT_MEANS, _workload  # noqa: E402
 
 from lightning_llmopt.inference import LLMEngine, SamplingParams  # noqa: E402
-from lightning_llmopt.models import Llama, LlamaConfig  # noqa: E402
+from lightning_llmopt.inference.loading import random_model  # noqa: E402
+from lightning_llmopt.models import LlamaConfig  # noqa: E402
 
 Request = tuple[list[int], int]
 
@@ -193,8 +194,8 @@ def calibrate(engine: LLMEngine, reqs: list[Request], concurrency: int) -> float
 
 def build(preset: str, smoke: bool, num_blocks: int | None) -> LLMEngine:
     device = "cpu" if smoke else "cuda"
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.from_preset(preset)).to(device=device, dtype=torch.float32 if smoke else torch.bfloat16)
+    torch.manual_seed(0)  # initialised on the device in its dtype (no fp32 copy on the host)
+    model = random_model(LlamaConfig.from_preset(preset), device, torch.float32 if smoke else torch.bfloat16)
     return LLMEngine(model, None, num_blocks=num_blocks or (512 if smoke else None), max_num_seqs=64)
 
 

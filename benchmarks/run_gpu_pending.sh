@@ -8,8 +8,9 @@
 #   serve   continuous vs static batching, with grouped admission (issue 8)
 #   kernel  paged decode attention, eager and as CUDA-graph replays, beside SDPA (issue 8)
 #   e2e     end-to-end 1b training with our kernels against Lightning + SDPA, eager and compiled (issue 12)
+#   startup llmopt serve's engine build for llama2-7b, cold / warm Triton caches / warm, phase by phase (issue 46)
 # Results and logs go to $OUT when it is set. Time limits per step below (tests 240 s, spec 300 s, e2e 420 s):
-#   bash benchmarks/run_gpu_pending.sh [tests] [spec] [decode] [serve] [kernel] [e2e]
+#   bash benchmarks/run_gpu_pending.sh [tests] [spec] [decode] [serve] [kernel] [e2e] [startup]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
@@ -21,7 +22,7 @@ copy_out() {
     mkdir -p "$OUT"
     cp benchmarks/results/speculative-*.json benchmarks/results/decode-batch1-*.json \
       benchmarks/results/decode-serve-*.json benchmarks/results/decode-kernel-*.json \
-      benchmarks/results/e2e-kernels-*.json "$OUT/" 2>/dev/null || true
+      benchmarks/results/e2e-kernels-*.json benchmarks/results/startup-*.json "$OUT/" 2>/dev/null || true
     cp "$LOG" "$OUT/pending.log" 2>/dev/null || true
   fi
 }
@@ -39,6 +40,7 @@ for s in "${steps[@]}"; do
     serve) step 240 python3 benchmarks/bench_decode.py --family serve --requests 128 --no-hf ;;
     kernel) step 120 python3 benchmarks/bench_decode.py --family kernel ;;
     e2e) step 420 python3 benchmarks/bench_e2e_kernels.py --warmup-steps 3 --steps 8 ;;
+    startup) step 480 python3 benchmarks/bench_startup.py --preset llama2-7b ;;
     *) echo "unknown step $s" | tee -a "$LOG"; status=1 ;;
   esac
 done

@@ -5,13 +5,15 @@
     llmopt serve --preset tiny --tokenizer byte --port 8000      # a randomly initialised model (smoke tests)
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` (see
-docs/serving.md). The server answers ``/health`` with ``"loading"`` while the engine is built. Needs the ``serve``
-extra: ``pip install 'lightning_llmopt[serve]'`` (FastAPI, uvicorn, prometheus-client).
+docs/serving.md). The server binds its port at once and answers ``/health`` with ``"loading"`` (and the phases done)
+while the engine is built in the background, printing a line per phase; if the build fails it exits non-zero.
+Needs the ``serve`` extra: ``pip install 'lightning_llmopt[serve]'`` (FastAPI, uvicorn, prometheus-client).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,28 +44,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--trust-pickle", action="store_true", help="allow full unpickling of a Lightning .ckpt")
+    p.add_argument("--no-tuning-cache", action="store_true", help="tune kernels afresh, keep nothing on disk")
+    p.add_argument("--tuning-cache-dir", default=None, help="default: $LLMOPT_CACHE_DIR/tuning or ~/.cache/...")
     p.add_argument("--log-level", default="info")
     return p
 
 
-def build_engine(args: argparse.Namespace) -> Any:
-    """The engine ``args`` describe (a checkpoint or a random ``--preset`` model, then the engine options)."""
+def build_engine(args: argparse.Namespace, startup: Any = None) -> Any:
+    """The engine ``args`` describe (a checkpoint or a random ``--preset`` model, then the engine options); its
+    phases are recorded in ``startup`` (a :class:`~lightning_llmopt.inference.startup.StartupLog`, or a new one)."""
     import torch
 
     from lightning_llmopt.cli.generate import DTYPES
     from lightning_llmopt.data.tokenizers import load_tokenizer
     from lightning_llmopt.inference import LLMEngine
-    from lightning_llmopt.inference.loading import load_model
-    from lightning_llmopt.models import Llama, LlamaConfig
+    from lightning_llmopt.inference.loading import load_model, random_model
+    from lightning_llmopt.inference.startup import StartupLog
+    from lightning_llmopt.models import LlamaConfig
 
+    startup = startup if startup is not None else StartupLog()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype] if args.dtype else None
     tokenizer = None
     if args.preset is not None:
+        startup.mark("random init")
         torch.manual_seed(0)
         default = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = Llama(LlamaConfig.from_preset(args.preset)).to(device=device, dtype=dtype or default)
+        model = random_model(LlamaConfig.from_preset(args.preset), device, dtype or default)
     else:
+        startup.mark("load weights")
         model, tokenizer = load_model(args.model, dtype=dtype, device=device, trust_pickle=args.trust_pickle)
     if args.tokenizer is not None:
         tokenizer = load_tokenizer(args.tokenizer)
@@ -76,6 +85,8 @@ def build_engine(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_cache,
         cuda_graphs=not args.no_cuda_graphs,
+        tuning_cache=False if args.no_tuning_cache else (args.tuning_cache_dir or True),
+        startup=startup,
     )
 
 
@@ -90,20 +101,43 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_llmopt.inference.serving import Server, build_app
     except ImportError as exc:
         raise SystemExit(f"llmopt serve needs the serve extra: pip install 'lightning_llmopt[serve]' ({exc})") from None
+    from lightning_llmopt.inference.startup import StartupLog
+
     name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
+    startup = StartupLog(on_line=lambda line: print(f"llmopt serve: loading: {line}", file=sys.stderr, flush=True))
+    uv: Any = None
+    failure: list[str] = []
+
+    def failed(message: str) -> None:  # on the engine thread: stop serving, exit non-zero with the message below
+        failure.append(message)
+        if uv is not None:
+            uv.should_exit = True
+
     server = Server(
-        lambda: build_engine(args),
+        lambda: _built(build_engine(args, startup), startup),
         name,
         api_key=args.api_key,
         max_queue=args.max_queue,
         chat_template=args.chat_template,
         model_path=args.model,
         grace_s=args.shutdown_grace,
+        startup=startup,
+        on_failed=failed,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         build_app(server),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=int(args.shutdown_grace) + 1,
     )
+    uv = uvicorn.Server(config)
+    uv.run()
+    if failure:
+        raise SystemExit(f"llmopt serve: building the engine failed: {failure[0]}")
+
+
+def _built(engine: Any, startup: Any) -> Any:
+    total = startup.total_s if startup.total_s is not None else 0.0
+    print(f"llmopt serve: engine ready in {total:.1f} s", file=sys.stderr, flush=True)
+    return engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from lightning_llmopt.inference.speculative import SpeculativeConfig
@@ -57,6 +58,9 @@ class EngineConfig:
         mixed_steps: how a step that mixes decodes with prefill chunks runs: ``"merged"``, one eager pass over all
             its tokens (the weights are read once); ``"split"``, the decodes from the CUDA graph and the prefill
             chunks in an eager pass of their own (the decodes pay no launch cost, the weights are read twice).
+        tuning_cache: keep kernel choices on disk so a warm start skips their tuning (:mod:`.tuning_cache`):
+            ``True`` (default) in ``$LLMOPT_CACHE_DIR/tuning`` or ``~/.cache/lightning_llmopt/tuning``, a path for
+            another folder, ``False`` for none (``LLMOPT_TUNING_CACHE=0`` also turns it off).
     """
 
     block_size: int = 16
@@ -79,6 +83,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     decode_steps: int = 8
     mixed_steps: str = "merged"
+    tuning_cache: bool | str = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "admission_batch", "decode_steps"):
@@ -103,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend ({self.attention_backend!r}) must be one of {BACKENDS}")
         if self.mixed_steps not in MIXED_STEPS:
             raise ValueError(f"mixed_steps ({self.mixed_steps!r}) must be one of {MIXED_STEPS}")
+        if not isinstance(self.tuning_cache, (bool, str, os.PathLike)):
+            raise TypeError(f"tuning_cache ({self.tuning_cache!r}) must be a bool or a folder path")
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy ({self.policy!r}) must be 'continuous' or 'static'")
         sizes = tuple(sorted(set(self.graph_batch_sizes)))

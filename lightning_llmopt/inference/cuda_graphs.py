@@ -21,6 +21,7 @@ the CPU launch cost between them (gpt-fast gets the same effect from ``torch.com
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -159,15 +160,18 @@ class DecodeGraphs:
         self.graphs[b] = graph
         self.outputs[b] = out
 
-    def capture_all(self) -> None:
+    def capture_all(self, progress: Callable[[str], None] | None = None) -> None:
         """Capture every size now instead of on first use. A size first needed mid-serving stalls that step by its
         capture (with its Triton compilation, over a second on an H100: speculative verify steps reach sizes a
         warm-up may not have); the engine calls this at start. The buffers hold padding rows meanwhile (context 0,
-        the null block's slot), which the warm-up and replay may compute."""
+        the null block's slot), which the warm-up and replay may compute. ``progress`` is called with a phase name
+        before each size (:meth:`~lightning_llmopt.inference.startup.StartupLog.mark`)."""
         for b in self.sizes:
             if not self.capture:
                 return
             if b not in self.graphs:
+                if progress is not None:
+                    progress(f"cuda graph {b} rows")
                 self._step(b)
 
     def _fill(self, work: list[Work], b: int) -> int:

@@ -36,7 +36,9 @@ from lightning_llmopt.inference.runner import ModelRunner, to_device
 from lightning_llmopt.inference.sampling import SamplingParams, sample_batch
 from lightning_llmopt.inference.scheduler import Schedule, Scheduler, Work
 from lightning_llmopt.inference.spec_chain import capture_rounds, speculative_rounds
+from lightning_llmopt.inference.startup import StartupLog, watch_triton
 from lightning_llmopt.inference.stats import EngineStats
+from lightning_llmopt.inference.tuning_cache import attach as attach_tuning_cache
 from lightning_llmopt.models.llama import Llama
 
 if TYPE_CHECKING:
@@ -53,6 +55,8 @@ class LLMEngine(EngineOutputs):
         tokenizer: optional, with ``encode``/``decode``/``eos_id`` (needed for string prompts and text output).
         config: an :class:`EngineConfig`; keyword ``overrides`` replace its fields.
         kv_scales: calibrated :class:`KVScales` for ``kv_dtype="int8"`` (or call :meth:`calibrate_kv` later).
+        startup: a :class:`~lightning_llmopt.inference.startup.StartupLog` to record the build's phases in (one that
+            already timed the model's loading); kept as ``engine.startup``.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class LLMEngine(EngineOutputs):
         config: EngineConfig | None = None,
         *,
         kv_scales: KVScales | None = None,
+        startup: StartupLog | None = None,
         **overrides: Any,
     ) -> None:
         if config is None:
@@ -79,6 +84,10 @@ class LLMEngine(EngineOutputs):
         self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         assert cfg.n_kv_heads is not None and cfg.head_dim is not None
         kv_dtype = torch.int8 if config.kv_dtype == "int8" else self.dtype
+        self.startup = startup = startup if startup is not None else StartupLog()
+        if self.device.type == "cuda":
+            watch_triton(startup)
+        startup.mark("kv pool")
         self.pool = KVPool(
             cfg.n_layers,
             cfg.n_kv_heads,
@@ -104,7 +113,9 @@ class LLMEngine(EngineOutputs):
             cfg.sliding_window,
             config.admission,
         )
+        startup.mark("runner")
         self.runner = ModelRunner(model, self.pool, config.attention_backend, config.fused_kernels)
+        self.tuning_cache = attach_tuning_cache(config.tuning_cache, self.runner, self.device, startup)
         self.graphs = None
         spec_tokens = config.speculative.num_tokens if config.speculative is not None else 0
         sizes = graph_sizes(config.graph_batch_sizes, config.max_num_seqs, spec_tokens)
@@ -117,6 +128,7 @@ class LLMEngine(EngineOutputs):
         if config.speculative is not None:
             from lightning_llmopt.inference.spec_decode import SpeculativeDecoder
 
+            startup.mark("speculative")
             self.spec = SpeculativeDecoder(
                 config.speculative,
                 model,
@@ -128,11 +140,16 @@ class LLMEngine(EngineOutputs):
                 config.attention_backend,
                 self.graphs.sizes if self.graphs is not None else None,
             )
+        drafter_runner = getattr(self.spec.drafter, "runner", None) if self.spec is not None else None
+        if drafter_runner is not None:  # the draft model's choices: same store, its own counters
+            attach_tuning_cache(self.tuning_cache or False, drafter_runner, self.device, startup, shared_counters=False)
         if config.capture_graphs_at_start:
             for graphs in (self.graphs, getattr(self.spec.drafter, "graphs", None) if self.spec else None):
                 if graphs is not None:
-                    graphs.capture_all()
+                    graphs.capture_all(startup.mark)
+            startup.mark("speculative round graphs" if self.spec is not None else None)
             capture_rounds(self)
+        startup.done()
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
@@ -153,8 +170,10 @@ class LLMEngine(EngineOutputs):
         from lightning_llmopt.inference.loading import load_model
 
         device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        startup = engine_kwargs.pop("startup", None) or StartupLog()
+        startup.mark("load weights")
         model, found_tokenizer = load_model(path, dtype=dtype, device=device, trust_pickle=trust_pickle)
-        return cls(model, tokenizer if tokenizer is not None else found_tokenizer, **engine_kwargs)
+        return cls(model, tokenizer if tokenizer is not None else found_tokenizer, startup=startup, **engine_kwargs)
 
     # ------------------------------------------------------------------ requests
     def _validate(self, prompt: Prompt, params: SamplingParams, truncate: bool) -> tuple[list[int], int]:

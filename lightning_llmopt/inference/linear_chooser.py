@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -49,6 +50,10 @@ class LinearChooser:
         # True/False: always/never the Triton GEMVs (tests; True also runs them on CPU under the interpreter)
         self.force: bool | None = None
         self.fused_calls = 0  # launches of the fused norm + q/k/v and norm + gate/up GEMVs
+        # decisions kept on disk (a :class:`~lightning_llmopt.inference.tuning_cache.TuningCache`: ``get``/``put``)
+        self.store: Any = None
+        self.tunings = 0  # decisions timed (not found in ``use_gemv`` or the store)
+        self.tuning_s = 0.0  # seconds spent timing them
 
     def _on_device(self, x: Tensor) -> bool:
         return x.device.type == "cuda" or (self.force is True and os.environ.get("TRITON_INTERPRET") == "1")
@@ -136,12 +141,27 @@ class LinearChooser:
     def _choose(self, key: tuple, triton_fn: Any, torch_fn: Any) -> Tensor:
         use = self.use_gemv.get(key) if self.force is None else self.force
         if use is None:
-            if torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return torch_fn()
             use = self._decide(key, triton_fn, torch_fn)
         return triton_fn() if use else torch_fn()
 
     def _decide(self, key: tuple, triton_fn: Any, torch_fn: Any) -> bool:
+        """The stored decision for ``key`` if the store has one, else :meth:`_measure` it (and store it)."""
+        stored = self.store.get("linear", key) if self.store is not None else None
+        if isinstance(stored, bool):
+            self.use_gemv[key] = stored
+            return stored
+        start = time.perf_counter()
+        self.use_gemv[key] = self._measure(triton_fn, torch_fn)
+        self.tunings += 1
+        self.tuning_s += time.perf_counter() - start
+        if self.store is not None:
+            self.store.put("linear", key, self.use_gemv[key])
+        return self.use_gemv[key]
+
+    def _measure(self, triton_fn: Any, torch_fn: Any) -> bool:
+        """Whether the Triton GEMV beats ``torch_fn`` (timed on the GPU, see below)."""
         from triton.testing import do_bench
 
         triton_fn()  # autotunes
@@ -160,8 +180,7 @@ class LinearChooser:
         # the GEMV against 0.530 ms through cuBLAS (H100, 2026-11-25) while isolated timings called it a tie. With
         # PDL the GEMV stays unless cuBLAS is more than 5% faster.
         margin = 1.05 if pdl_enabled(torch.device("cuda")) else 1.0
-        self.use_gemv[key] = t_triton < t_torch * margin
-        return self.use_gemv[key]
+        return t_triton < t_torch * margin
 
 
 def _captured(fn: Any) -> torch.cuda.CUDAGraph:

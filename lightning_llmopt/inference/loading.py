@@ -27,7 +27,7 @@ from torch import Tensor
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.llama import Llama
 
-__all__ = ["load_model", "model_from_state_dict"]
+__all__ = ["load_model", "model_from_state_dict", "random_model"]
 
 
 def _strip(name: str) -> str:
@@ -58,6 +58,20 @@ def model_from_state_dict(
         model.output.weight = model.tok_embeddings.weight
     with torch.device(device):  # the RoPE table is computed, even under a caller's meta-device context
         model.reset_buffers(device)
+    return model
+
+
+def random_model(config: LlamaConfig, device: torch.device | str, dtype: torch.dtype) -> Llama:
+    """A randomly initialised :class:`Llama` (``init_weights``) built where it will run, in its serving dtype.
+
+    The model is laid out on the meta device, cast there (free), given storage on ``device`` and initialised in
+    place: no fp32 copy on the host and no host-to-device transfer (for the llama2-7b shape, the former path wrote
+    27 GB of fp32 normal samples on the host, then cast and copied them). With the same seed on the CPU in fp32 the
+    weights equal ``Llama(config)``'s (the same initialisation, in the same order)."""
+    with torch.device("meta"):
+        model = Llama(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.init_weights(buffer_device=device)
     return model
 
 

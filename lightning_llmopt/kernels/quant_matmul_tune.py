@@ -17,7 +17,9 @@ slower kernels). Under the Triton interpreter fixed small tiles are used.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+import time
+from dataclasses import asdict, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -108,6 +110,11 @@ _LARGE = [
 
 TUNED: dict[tuple, KernelConfig] = {}
 TIMINGS: dict[tuple, dict[KernelConfig, float]] = {}  # autotuning measurements (ms), for benchmark reports
+# where tuned configurations are kept between processes: an object with ``get(namespace, key)`` and
+# ``put(namespace, key, value)`` (the engine installs a :class:`~lightning_llmopt.inference.tuning_cache.TuningCache`
+# through :func:`set_store`); ``None`` keeps them in this process only
+STORE: Any = None
+TUNE_STATS = {"tunings": 0, "seconds": 0.0}  # searches run in this process and their time (start-up reports)
 _FLUSH: dict[torch.device, Tensor] = {}
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -264,12 +271,20 @@ def choose_config(
     key = (x.device.index, _m_bucket(m), w.shape[0], k, bits, group, zeros is not None, x.dtype)
     if key in TUNED:
         return TUNED[key]
+    stored = STORE.get("quant_matmul", key[1:]) if STORE is not None else None
+    if isinstance(stored, dict):
+        try:
+            TUNED[key] = KernelConfig(**stored)
+            return TUNED[key]
+        except TypeError:  # a field this version does not know: search again
+            pass
     asm = bits == 4 and zeros is None and x.dtype == torch.bfloat16
     words_asm = x.dtype != torch.float32
     candidates = candidate_configs(m, k, group, asm, words_asm, x_split=bits == 4, wide_words=bits == 4)
     fallback = next(c for c in candidates if c.kind != "words")  # takes every shape
     if torch.cuda.is_current_stream_capturing() or os.environ.get("LLMOPT_QUANT_TUNE", "1") == "0":
         return fallback
+    start = time.perf_counter()
     ref = _reference(x, w, scales, zeros, bits)
     copies = _weight_copies(w, scales, zeros)
     best, best_ms = fallback, float("inf")
@@ -287,7 +302,19 @@ def choose_config(
         if ms < best_ms:
             best, best_ms = cfg, ms
     TUNED[key] = best
+    TUNE_STATS["tunings"] += 1
+    TUNE_STATS["seconds"] += time.perf_counter() - start
+    if STORE is not None:
+        STORE.put("quant_matmul", key[1:], asdict(best))
     return best
 
 
-__all__ = ["TIMINGS", "TUNED", "candidate_configs", "choose_config"]
+def set_store(store: Any) -> Any:
+    """Keep tuned configurations in ``store`` (``get``/``put``, see :data:`STORE`) from now on; returns the previous
+    store."""
+    global STORE
+    previous, STORE = STORE, store
+    return previous
+
+
+__all__ = ["STORE", "TIMINGS", "TUNED", "TUNE_STATS", "candidate_configs", "choose_config", "set_store"]

@@ -317,3 +317,98 @@ def test_serve_command_builds_the_engine():
     assert engine.blocks.allocator.num_blocks == 32 and engine.device.type == "cpu"
     with pytest.raises(SystemExit, match="exactly one of MODEL"):
         main(["--tokenizer", "byte"])
+
+
+def _wait_status(h, url: str, status: int, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while (r := h.get(f"{url}/health")).status_code != status and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return r
+
+
+def test_health_shows_the_loading_phases_then_ready():
+    """A build made slow by an injected wait: /health is 503 "loading" with the phases done and the one running,
+    /v1 requests get OpenAI-style 503s with Retry-After; once built, 200 and requests are served."""
+    from lightning_llmopt.inference.startup import StartupLog
+
+    model, go = tiny_model(), threading.Event()
+    startup = StartupLog()
+
+    def build() -> LLMEngine:
+        startup.mark("load weights")
+        startup.mark("injected delay")
+        assert go.wait(30)
+        return LLMEngine(model, ByteTokenizer(), num_blocks=64, block_size=8, tuning_cache=False, startup=startup)
+
+    server = Server(build, "tiny", startup=startup)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(trust_env=False, timeout=30) as h, running(server) as url:
+        r = _wait_status(h, url, 503)
+        deadline = time.monotonic() + 30
+        while r.json()["startup"]["current"] != "injected delay" and time.monotonic() < deadline:
+            r = h.get(f"{url}/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        info = r.json()["startup"]
+        assert info["current"] == "injected delay" and [p["name"] for p in info["phases"]] == ["load weights"]
+        for route, payload in (("completions", body), ("chat/completions", {"model": "tiny", "messages": []})):
+            r = h.post(f"{url}/v1/{route}", json=payload)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
+            err = r.json()["error"]
+            assert err["code"] == "unavailable" and err["type"] == "server_error" and "injected delay" in err["message"]
+        go.set()
+        r = _wait_status(h, url, 200)
+        assert r.json() == {"status": "ok"}
+        out = h.post(f"{url}/v1/completions", json=body)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
+    names = [p.name for p in server.core.engine.startup.phases]
+    assert names == ["load weights", "injected delay", "kv pool", "runner"]
+
+
+def test_a_failed_build_is_reported():
+    from lightning_llmopt.inference.startup import StartupLog
+
+    startup, failures = StartupLog(), []
+
+    def build() -> LLMEngine:
+        startup.mark("load weights")
+        raise FileNotFoundError("checkpoint 'nowhere' does not exist")
+
+    server = Server(build, "tiny", startup=startup, on_failed=failures.append)
+    with httpx.Client(trust_env=False, timeout=30) as h, running(server) as url:
+        r = _wait_status(h, url, 500)
+        assert r.status_code == 500 and r.json()["status"] == "failed"
+        assert r.json()["error"] == "FileNotFoundError: checkpoint 'nowhere' does not exist (in phase 'load weights')"
+        assert r.json()["startup"]["current"] == "load weights"
+        r = h.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_failed"
+        assert "does not exist" in r.json()["error"]["message"]
+    assert failures == [r.json()["error"]["message"].removeprefix("the engine failed to load: ")]
+
+
+def test_serve_command_exits_nonzero_when_the_build_fails(tmp_path):
+    from lightning_llmopt.cli.serve import main
+
+    missing = tmp_path / "no-such-checkpoint"
+    with pytest.raises(SystemExit) as exc:
+        main([str(missing), "--port", "0", "--device", "cpu", "--log-level", "warning"])
+    message = exc.value.code
+    assert isinstance(message, str)
+    assert message.startswith("llmopt serve: building the engine failed: FileNotFoundError")
+    assert str(missing) in message and "(in phase 'load weights')" in message
+
+
+def test_serve_command_prints_the_phases(tmp_path, capsys):
+    from lightning_llmopt.cli.serve import build_engine, build_parser
+    from lightning_llmopt.inference.startup import StartupLog
+
+    args = build_parser().parse_args(
+        ["--preset", "tiny", "--device", "cpu", "--num-blocks", "16", "--tuning-cache-dir", str(tmp_path)]
+    )
+    lines: list[str] = []
+    engine = build_engine(args, StartupLog(on_line=lines.append))
+    assert [p.name for p in engine.startup.phases] == ["random init", "kv pool", "runner"]
+    assert [line.split(":")[0] for line in lines] == ["random init", "kv pool", "runner"]
+    assert engine.tuning_cache is not None and engine.tuning_cache.directory == tmp_path
+    assert next(engine.model.parameters()).dtype == torch.float32 and engine.device.type == "cpu"
+    args = build_parser().parse_args(["--preset", "tiny", "--device", "cpu", "--num-blocks", "16", "--no-tuning-cache"])
+    assert build_engine(args).tuning_cache is None

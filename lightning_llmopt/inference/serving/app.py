@@ -5,7 +5,8 @@ Handlers validate the body (:mod:`.protocol`), check the prompt against the engi
 hand the request to the engine loop (:mod:`.async_engine`) and read its events: as server-sent events in OpenAI's
 chunk format ending with ``data: [DONE]`` when ``stream`` is true, else as one JSON body. A client that goes away
 cancels its request. Errors are OpenAI's ``{"error": {...}}`` bodies: 400 for a bad request, 401 for a missing or
-wrong API key (``api_key``), 404 for an unknown model, 503 with ``Retry-After`` while loading or past ``max_queue``.
+wrong API key (``api_key``), 404 for an unknown model, 503 with ``Retry-After`` while loading or past ``max_queue``,
+500 once the engine's build has failed.
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the routes' ``Request`` annotations at runtime
@@ -25,6 +26,7 @@ from lightning_llmopt.inference.serving.chat import ChatTemplate, find_chat_temp
 from lightning_llmopt.inference.serving.metrics import ServerMetrics
 from lightning_llmopt.inference.serving.protocol import APIError, parse_chat, parse_completion
 from lightning_llmopt.inference.serving.responses import Job, chunk, full_response, running_usage, usage, usage_chunk
+from lightning_llmopt.inference.startup import StartupLog
 
 __all__ = ["Server", "build_app"]
 
@@ -40,14 +42,18 @@ class Server:
         chat_template: a template (file or text) overriding the model's.
         model_path: the model folder (where the chat template is looked for).
         grace_s: at shutdown, how long requests in flight may finish before they are cancelled.
+        startup: the :class:`~lightning_llmopt.inference.startup.StartupLog` the build records its phases in
+            (shown by ``/health`` while loading).
+        on_failed: called with the error message if the engine's build fails.
     """
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], model_name: str, api_key: str | None = None,
                  max_queue: int | None = None, chat_template: str | None = None,
-                 model_path: str | Path | None = None, grace_s: float = 10.0) -> None:  # fmt: skip
+                 model_path: str | Path | None = None, grace_s: float = 10.0, startup: StartupLog | None = None,
+                 on_failed: Callable[[str], None] | None = None) -> None:  # fmt: skip
         self.model_name, self.api_key, self.grace_s = model_name, api_key, grace_s
         self.metrics = ServerMetrics(self._gauge_state)
-        self.core = AsyncEngine(engine, max_queue, on_step=self.metrics.on_step)
+        self.core = AsyncEngine(engine, max_queue, self.metrics.on_step, startup, on_failed)
         self._template_source, self._model_path = chat_template, model_path
         self._template: ChatTemplate | None | bool = False  # False: not looked up yet
 
@@ -56,8 +62,14 @@ class Server:
 
     @property
     def engine(self) -> LLMEngine:
-        if self.core.engine is None or self.core.state != "ready":
-            raise APIError(503, f"the model is {self.core.state}", code="unavailable", kind="server_error",
+        state = self.core.state
+        if state == "failed":
+            raise APIError(500, f"the engine failed to load: {self.core.load_error}", code="engine_failed",
+                           kind="server_error")  # fmt: skip
+        if self.core.engine is None or state != "ready":
+            startup = self.core.startup
+            phase = f" (phase {startup.current!r})" if state == "loading" and startup and startup.current else ""
+            raise APIError(503, f"the model is {state}{phase}; retry later", code="unavailable", kind="server_error",
                            headers={"Retry-After": "5"})  # fmt: skip
         return self.core.engine
 
@@ -245,10 +257,12 @@ def build_app(server: Server) -> Any:
     @app.get("/health")
     async def health() -> Any:
         state = server.core.state
-        body = {"status": "ok" if state == "ready" else state}
+        body: dict[str, Any] = {"status": "ok" if state == "ready" else state}
         if server.core.load_error:
             body["error"] = server.core.load_error
-        return JSONResponse(body, status_code=200 if state == "ready" else 503)
+        if state in ("loading", "failed") and server.core.startup is not None:
+            body["startup"] = server.core.startup.summary()
+        return JSONResponse(body, status_code={"ready": 200, "failed": 500}.get(state, 503))
 
     @app.get("/metrics")
     async def metrics() -> Any:

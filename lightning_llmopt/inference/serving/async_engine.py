@@ -1,9 +1,10 @@
 """One engine loop for every HTTP request: :class:`AsyncEngine`.
 
 The :class:`~lightning_llmopt.inference.LLMEngine` is not thread-safe, so exactly one thread touches it: the loop
-thread. It builds the engine (``/health`` says ``"loading"`` until then), then repeats: take the commands the HTTP
-handlers queued (add a request, cancel one), run one :meth:`LLMEngine.step`, and hand each request's events to its
-:class:`Handle` on the event loop (``call_soon_threadsafe``). Handlers only enqueue commands and read their handle.
+thread. It builds the engine (``/health`` says ``"loading"`` until then, with the phases done so far; ``"failed"``
+with the error if the build raised), then repeats: take the commands the HTTP handlers queued (add a request, cancel
+one), run one :meth:`LLMEngine.step`, and hand each request's events to its :class:`Handle` on the event loop
+(``call_soon_threadsafe``). Handlers only enqueue commands and read their handle.
 
 - A handle that is closed before its request finished (the client went away) cancels the request: its blocks go
   back to the pool at the loop's next turn.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -27,8 +29,11 @@ from typing import Any
 from lightning_llmopt.inference.engine import LLMEngine
 from lightning_llmopt.inference.request import Completion, StreamEvent
 from lightning_llmopt.inference.sampling import SamplingParams
+from lightning_llmopt.inference.startup import StartupLog
 
 __all__ = ["AsyncEngine", "Handle", "QueueFull"]
+
+log = logging.getLogger("lightning_llmopt.serve")
 
 
 class QueueFull(RuntimeError):
@@ -64,6 +69,10 @@ class AsyncEngine:
         max_queue: requests that may wait for a slot beyond the engine's ``max_num_seqs`` running ones
             (``None``: no limit).
         on_step: called on the loop thread after every step with ``(engine, events, seconds)`` (metrics).
+        startup: the :class:`~lightning_llmopt.inference.startup.StartupLog` the build records its phases in
+            (``/health`` shows them while loading); default: the built engine's own.
+        on_failed: called on the loop thread with the error message when the build fails (``llmopt serve`` then
+            stops the server and exits non-zero).
     """
 
     def __init__(
@@ -71,6 +80,8 @@ class AsyncEngine:
         build: LLMEngine | Callable[[], LLMEngine],
         max_queue: int | None = None,
         on_step: Callable[[LLMEngine, list[StreamEvent], float], None] | None = None,
+        startup: StartupLog | None = None,
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue ({max_queue}) must be >= 0")
@@ -78,6 +89,8 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.on_step = on_step
         self.engine: LLMEngine | None = build if isinstance(build, LLMEngine) else None
+        self.startup = startup if startup is not None else getattr(self.engine, "startup", None)
+        self.on_failed = on_failed
         self.state = "loading"
         self.load_error: str | None = None
         self._commands: deque[tuple[str, Any]] = deque()
@@ -157,10 +170,20 @@ class AsyncEngine:
         if self.engine is None:
             try:
                 assert not isinstance(self._build, LLMEngine)
-                self.engine = self._build()
+                engine = self._build()
             except Exception as exc:  # noqa: BLE001 - reported by /health
-                self.state, self.load_error = "failed", f"{type(exc).__name__}: {exc}"
+                phase = self.startup.current if self.startup is not None else None
+                where = f" (in phase {phase!r})" if phase else ""
+                self.state, self.load_error = "failed", f"{type(exc).__name__}: {exc}{where}"
+                log.debug("building the engine failed%s", where, exc_info=True)
+                if self.on_failed is not None:
+                    self.on_failed(self.load_error)
+                else:  # nobody else reports it: one line (the traceback at DEBUG)
+                    log.error("building the engine failed: %s", self.load_error)
                 return
+            if self.startup is None:
+                self.startup = getattr(engine, "startup", None)
+            self.engine = engine
         self.state = "ready"
         engine = self.engine
         while not self._stop:
