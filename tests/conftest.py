@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import os
+import tempfile
+
 import pytest
 
 from lightning_llmopt.testing.triton import enable_interpreter_without_cuda, triton_available
@@ -24,6 +27,10 @@ pytest_plugins = ["pytester"]  # runs small pytest sessions in-process (marker t
 
 def pytest_configure(config: pytest.Config) -> None:
     register_markers(config)
+    # The engine's on-disk tuning cache: the suite neither reads a user's cache (GPU tests would skip the tuning they
+    # test) nor leaves one behind. Set before any pool worker or server process starts, so they inherit it.
+    if "LLMOPT_CACHE_DIR" not in os.environ:
+        os.environ["LLMOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmopt-test-cache-")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
