@@ -8,10 +8,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 
 import pytest
 
