@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 
@@ -29,7 +30,15 @@ def pytest_configure(config: pytest.Config) -> None:
     # The engine's on-disk tuning cache: the suite neither reads a user's cache (GPU tests would skip the tuning they
     # test) nor leaves one behind. Set before any pool worker or server process starts, so they inherit it.
     if "LLMOPT_CACHE_DIR" not in os.environ:
-        os.environ["LLMOPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmopt-test-cache-")
+        os.environ["LLMOPT_CACHE_DIR"] = _OWN_CACHE[0] = tempfile.mkdtemp(prefix="llmopt-test-cache-")
+
+
+_OWN_CACHE = [""]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _OWN_CACHE[0]:
+        shutil.rmtree(_OWN_CACHE[0], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
