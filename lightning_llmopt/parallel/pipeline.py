@@ -66,6 +66,7 @@ SCHEDULES: dict[str, tuple[str, bool, str, int]] = {
     "zero_bubble": ("ScheduleInterleavedZeroBubble", True, "loop", 2),
     "zbv": ("ScheduleZBVZeroBubble", True, "v", 2),
     "dualpipev": ("ScheduleDualPipeV", True, "v", 2),
+    "pipedream_2bw": ("", False, "loop", 1),  # our own executor, no torch class: parallel/pipeline_2bw.py
 }
 
 
@@ -139,6 +140,8 @@ class PipelineConfig:
         p, name = self.pp, self.schedule
         if name == "1f1b" and m < p:
             raise ValueError(f"microbatches ({m}) must be >= pipeline_parallel ({p}) for 1F1B")
+        if name == "pipedream_2bw" and m < p:  # two weight versions suffice only when M >= P (the paper's bound)
+            raise ValueError(f"microbatches ({m}) must be >= pipeline_parallel ({p}) for pipedream_2bw")
         if name in ("interleaved_1f1b", "zero_bubble") and m % p != 0:
             raise ValueError(f"microbatches ({m}) must be a multiple of pipeline_parallel ({p}) for {name}")
         if self.style == "v" and m < 2 * p:
