@@ -50,11 +50,54 @@ from lightning_llmopt.parallel.pipeline_forward import _DTYPES, PipelineForwardM
 from lightning_llmopt.parallel.pipeline_split import StageSplit
 from lightning_llmopt.parallel.pipeline_tp import TPStageBoundary
 
-__all__ = ["PIPEDREAM_2BW", "Action", "DoubleBufferedWeights", "PipeDream2BWRunner", "window_actions"]
+__all__ = [
+    "PIPEDREAM_2BW",
+    "Action",
+    "DoubleBufferedWeights",
+    "PipeDream2BWRunner",
+    "check_2bw_combination",
+    "check_2bw_trainer",
+    "window_actions",
+]
 
 PIPEDREAM_2BW = "pipedream_2bw"
 _TAG_FORWARD, _TAG_BACKWARD = 2101, 2102  # never 0: the forward-only pass (validation) sends untagged
 LossFn = Callable[[Any, Tensor], Tensor]
+
+
+def check_2bw_combination(pp: int, tp: int, zero_stage: int) -> None:
+    """Layouts PipeDream-2BW does not compose with (named errors before any collective): the weight versions are
+    plain full tensors per stage, so no tensor parallelism (DTensor shards) and no ZeRO (sharded or hooked
+    gradients); data parallelism with gradients all-reduced (``zero_stage=0``) composes."""
+    if tp > 1:
+        raise NotImplementedError(
+            f"schedule {PIPEDREAM_2BW!r} with pipeline_parallel ({pp}) composes with data parallelism only; got "
+            f"tensor_parallel ({tp})"
+        )
+    if zero_stage != 0:
+        raise NotImplementedError(
+            f"schedule {PIPEDREAM_2BW!r} keeps two full weight versions per stage and applies gradients itself: "
+            f"zero_stage ({zero_stage}) is not supported; use zero_stage=0 (gradients all-reduced over data-parallel "
+            "ranks)"
+        )
+
+
+def check_2bw_trainer(trainer: Any) -> None:
+    """Trainer settings PipeDream-2BW refuses: gradient accumulation over batches (each batch's micro-batches
+    already accumulate, and the update is delayed by one batch) and fp16 loss scaling (a skipped step would break
+    the one-step delay)."""
+    accumulate = int(getattr(trainer, "accumulate_grad_batches", 1))
+    if accumulate != 1:
+        raise NotImplementedError(
+            f"schedule {PIPEDREAM_2BW!r} with accumulate_grad_batches ({accumulate}) is not supported; raise the "
+            "rows per batch (and microbatches) instead"
+        )
+    precision = str(getattr(getattr(trainer, "precision_plugin", None), "precision", ""))
+    if precision.startswith("16"):
+        raise NotImplementedError(
+            f"schedule {PIPEDREAM_2BW!r} with precision ({precision!r}) is not supported (dynamic loss scaling skips "
+            "steps); use '32-true' or 'bf16-mixed'"
+        )
 
 
 class Action(NamedTuple):
