@@ -57,6 +57,7 @@ __all__ = [
     "PipeDream2BWRunner",
     "check_2bw_combination",
     "check_2bw_trainer",
+    "simulate_windows",
     "window_actions",
 ]
 
@@ -116,6 +117,46 @@ def window_actions(pp: int, pp_rank: int, microbatches: int, batch: int) -> list
         if j - lag >= 0:
             out.append(Action("B", j - lag))
     return out
+
+
+def simulate_windows(
+    pp: int, microbatches: int, batches: int, sync: bool, f: float = 1.0, b: float = 2.0
+) -> list[float]:
+    """End time of every window (and of the final drain) when each rank runs :func:`window_actions` with forward
+    cost ``f`` and backward cost ``b`` and free communication (``F(j)`` of rank ``s`` after ``F(j)`` of ``s - 1``,
+    ``B(j)`` after ``B(j)`` of ``s + 1``, or after its own ``F(j)`` on the last rank, as in
+    :mod:`~lightning_llmopt.parallel.pipeline_plan`); ``sync``: every rank waits for the slowest at each window's
+    end (the per-step loss broadcast)."""
+    done: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * pp
+    ends = []
+    for t in range(batches + 1):
+        m = microbatches
+        if t < batches:
+            orders = [window_actions(pp, r, m, t) for r in range(pp)]
+        else:  # the drain
+            orders = [[Action("B", j) for j in range(batches * m - (pp - 1 - r), batches * m)] for r in range(pp)]
+        pos = [0] * pp
+        while any(pos[r] < len(orders[r]) for r in range(pp)):
+            progressed = False
+            for r in range(pp):
+                while pos[r] < len(orders[r]):
+                    a = orders[r][pos[r]]
+                    if a.kind == "F":
+                        deps = [(r - 1, "F", a.microbatch)] if r > 0 else []
+                    else:
+                        deps = [(r + 1, "B", a.microbatch)] if r < pp - 1 else [(r, "F", a.microbatch)]
+                    if any(d not in done for d in deps):
+                        break
+                    free[r] = max([free[r], *(done[d] for d in deps)]) + (f if a.kind == "F" else b)
+                    done[(r, a.kind, a.microbatch)] = free[r]
+                    pos[r], progressed = pos[r] + 1, True
+            if not progressed:
+                raise ValueError("the window orders deadlock")
+        if sync:
+            free = [max(free)] * pp
+        ends.append(max(free))
+    return ends
 
 
 class DoubleBufferedWeights:

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from lightning_llmopt.models import Llama, LlamaConfig
 from lightning_llmopt.parallel.pipeline import PipelineConfig
-from lightning_llmopt.parallel.pipeline_2bw import Action, window_actions
+from lightning_llmopt.parallel.pipeline_2bw import Action, simulate_windows, window_actions
+from lightning_llmopt.parallel.pipeline_plan import plan
 
 STEPS, ROWS, SEQ, LR = 4, 8, 16, 1e-3
 
@@ -213,6 +214,17 @@ def test_window_actions_is_1f1b_without_flush() -> None:
         warm = [Action("F", j) for j in range(lag)]
         steady = [x for j in range(lag, 3 * m) for x in (Action("F", j), Action("B", j - lag))]
         assert order == warm + steady
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 2), (2, 4), (4, 4), (4, 8), (8, 16)])
+def test_steady_state_time_per_batch(pp: int, m: int) -> None:
+    """Unit costs (F = 1, B = 2): with no synchronisation between steps a batch costs 3M once the pipeline is full
+    (no bubble); the per-step loss broadcast adds (P - 1) F; 1F1B with its flush costs 3 (M + P - 1)."""
+    ends = simulate_windows(pp, m, 12, sync=False)
+    assert [ends[t] - ends[t - 1] for t in range(4, 12)] == [3.0 * m] * 8
+    ends = simulate_windows(pp, m, 12, sync=True)
+    assert [ends[t] - ends[t - 1] for t in range(4, 12)] == [3.0 * m + pp - 1] * 8
+    assert plan("1f1b", pp, m).makespan == 3.0 * (m + pp - 1)
 
 
 @pytest.mark.parametrize(
