@@ -91,7 +91,8 @@ def simulate(init_path: str, dp: int, m: int) -> dict[str, Any]:
             warnings.simplefilter("ignore", UserWarning)
             sched.step()
         pending = mean
-    return {"losses": losses, "params": {f"model.{k}": v.detach().clone() for k, v in module.model.named_parameters()}}
+    params = {f"model.{k}": v.detach().clone() for k, v in module.model.named_parameters()}
+    return {"losses": losses, "params": params}
 
 
 def _fit_job(init_path: str, nd: dict[str, Any], clip: float | None = None) -> dict[str, Any]:
@@ -191,3 +192,47 @@ def test_trainer_settings_are_refused_before_training(dist_pool: Any, init_path:
     check_2bw_trainer(
         SimpleNamespace(accumulate_grad_batches=1, precision_plugin=SimpleNamespace(precision="bf16-mixed"))
     )
+
+
+def _fit_with_validation_job(init_path: str) -> dict[str, Any]:
+    """J.fit's run with a validation pass every 2 steps: the forward-only pass's untagged sends cross the stages
+    while 2BW's gradient sends are still in flight."""
+    import torch.distributed as dist
+
+    from lightning_llmopt.testing.lightning_env import PoolEnvironment
+
+    L.seed_everything(0, verbose=False)
+    recorder = J.Recorder()
+    strategy = NDParallelStrategy(
+        pipeline_parallel=2, schedule="pipedream_2bw", microbatches=2, cluster_environment=PoolEnvironment()
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=J.STEPS, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False, callbacks=[recorder], num_sanity_val_steps=0,
+        use_distributed_sampler=False, val_check_interval=2, limit_val_batches=1,
+    )  # fmt: skip
+    data = J.Tokens(J.GLOBAL_BATCH * J.STEPS)
+    sampler = ResumableShardedSampler(data, num_replicas=1, rank=0, seed=0)
+    loader = ResumableDataLoader(data, batch_size=J.GLOBAL_BATCH, sampler=sampler, drop_last=True)
+    val = torch.utils.data.DataLoader(J.Tokens(8, packed=True), batch_size=8)  # J.validate's rows
+    module = J.Module(init_path=init_path, **_module_kwargs())
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=val)
+    (after,) = trainer.validate(module, val, verbose=False)  # after the drain: the final live weights
+    return {
+        "losses": recorder.losses,
+        "params": J.union_over_ranks(J.full_params(module)),
+        "dp_rank": 0,
+        "storages": trainer.strategy._pipeline.weights.storages(),  # type: ignore[attr-defined]
+        "n_params": len(trainer.strategy._pipeline.weights.params),  # type: ignore[attr-defined]
+        "in_flight_after_fit": len(trainer.strategy._pipeline.in_flight),  # type: ignore[attr-defined]
+        "val_loss": float(after["val/loss"]),
+        "rank": dist.get_rank(),
+    }
+
+
+def test_validation_during_fit_leaves_training_unchanged(dist_pool: Any, init_path: str) -> None:
+    """Training is bit-for-bit the rule's with validation passes in between (their untagged sends cross the stages
+    while 2BW's gradient sends are in flight); ``Trainer.validate`` after ``fit`` runs on both stages alike."""
+    results = dist_pool(2).run(_fit_with_validation_job, init_path)
+    _assert_equal(results, simulate(init_path, 1, 2), "validation every 2 steps")
+    assert results[0]["val_loss"] == results[1]["val_loss"] > 0
