@@ -227,6 +227,14 @@ def test_steady_state_time_per_batch(pp: int, m: int) -> None:
     assert plan("1f1b", pp, m).makespan == 3.0 * (m + pp - 1)
 
 
+def test_pipeline_plan_cli_reports_the_steady_state(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_llmopt.cli.pipeline_plan import main
+
+    main(["--schedule", "pipedream_2bw", "--pp", "4", "--microbatches", "8"])
+    out = capsys.readouterr().out
+    assert "time per batch 24 (bubble 0.0000), 27 with the per-step loss broadcast (bubble 0.1111); 1F1B 33" in out
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
