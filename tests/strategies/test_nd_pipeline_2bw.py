@@ -57,7 +57,7 @@ def _batches(dp: int, rank: int) -> list[dict[str, torch.Tensor]]:
 
 
 def simulate(init_path: str, dp: int, m: int) -> dict[str, Any]:
-    """Single-process PipeDream-2BW: per-rank losses and the final parameters."""
+    """Single-process PipeDream-2BW: per-rank losses, the final parameters and the parameters after each step."""
     L.seed_everything(0, verbose=False)
     module = J.Module(**_module_kwargs())
     module.configure_model()
@@ -67,7 +67,7 @@ def simulate(init_path: str, dp: int, m: int) -> dict[str, Any]:
     params = list(module.model.parameters())
     per_rank = [_batches(dp, r) for r in range(dp)]
     losses: list[list[float]] = [[] for _ in range(dp)]
-    pending = None
+    pending, after = None, []
     for step in range(J.STEPS):
         grads = []
         for r in range(dp):
@@ -91,8 +91,9 @@ def simulate(init_path: str, dp: int, m: int) -> dict[str, Any]:
             warnings.simplefilter("ignore", UserWarning)
             sched.step()
         pending = mean
+        after.append({f"model.{k}": v.detach().clone() for k, v in module.model.named_parameters()})
     params = {f"model.{k}": v.detach().clone() for k, v in module.model.named_parameters()}
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, "after": after}
 
 
 def _fit_job(init_path: str, nd: dict[str, Any], clip: float | None = None) -> dict[str, Any]:
@@ -236,3 +237,21 @@ def test_validation_during_fit_leaves_training_unchanged(dist_pool: Any, init_pa
     results = dist_pool(2).run(_fit_with_validation_job, init_path)
     _assert_equal(results, simulate(init_path, 1, 2), "validation every 2 steps")
     assert results[0]["val_loss"] == results[1]["val_loss"] > 0
+
+
+def test_checkpoint_mid_run_holds_the_live_weights(dist_pool: Any, init_path: str, tmp_path: Path) -> None:
+    """A checkpoint saved after step 2 of a 2BW run (gradient sends still in flight) holds the live weights, i.e.
+    the rule's after 2 steps, and the training is unchanged by the save; it resumes under PP=1 x DP=2 with those
+    weights exactly. (Resuming under PP=2 fails with KeyError 'betas' for every schedule, 1f1b included: a
+    pre-existing problem of PP -> PP optimizer state, not looked into here.)"""
+    nd = {"pipeline_parallel": 2, "schedule": "pipedream_2bw", "microbatches": 2}
+    load = {"data_parallel": 2, "zero_stage": 0}
+    out = dist_pool(2).run(J.reshard_job, init_path, str(tmp_path / "ckpt"), nd, load, 2, J.STEPS, _module_kwargs())
+    ref = simulate(init_path, 1, 2)
+    for r in out:
+        assert r["folders"] == ["step-00000002"]
+        assert r["straight"]["losses"] == ref["losses"][0]
+        assert all(torch.equal(v, ref["params"][k]) for k, v in r["straight"]["params"].items())
+        assert sorted(r["saved"]) == sorted(ref["after"][1])
+        assert all(torch.equal(v, ref["after"][1][k]) for k, v in r["saved"].items())
+        assert all(torch.equal(v, r["saved"][k]) for k, v in r["resumed"]["start_params"].items())
