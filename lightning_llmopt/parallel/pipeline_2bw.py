@@ -66,10 +66,17 @@ _TAG_FORWARD, _TAG_BACKWARD = 2101, 2102  # never 0: the forward-only pass (vali
 LossFn = Callable[[Any, Tensor], Tensor]
 
 
-def check_2bw_combination(pp: int, tp: int, zero_stage: int) -> None:
+def check_2bw_combination(pp: int, tp: int, zero_stage: int, activation_checkpointing: str = "none") -> None:
     """Layouts PipeDream-2BW does not compose with (named errors before any collective): the weight versions are
     plain full tensors per stage, so no tensor parallelism (DTensor shards) and no ZeRO (sharded or hooked
-    gradients); data parallelism with gradients all-reduced (``zero_stage=0``) composes."""
+    gradients); no activation checkpointing (its recomputation in the backward would run outside the version's
+    ``functional_call``, i.e. with the live weights); data parallelism with gradients all-reduced (``zero_stage=0``)
+    composes."""
+    if activation_checkpointing != "none":
+        raise NotImplementedError(
+            f"schedule {PIPEDREAM_2BW!r} with activation_checkpointing ({activation_checkpointing!r}) is not "
+            "supported: the backward's recomputation would use the live weights, not the micro-batch's version"
+        )
     if tp > 1:
         raise NotImplementedError(
             f"schedule {PIPEDREAM_2BW!r} with pipeline_parallel ({pp}) composes with data parallelism only; got "

@@ -143,7 +143,7 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
             )
             zero_stage = 0 if schedule == PIPEDREAM_2BW and pipeline_parallel > 1 else zero_stage
         if pipeline_parallel > 1 and schedule == PIPEDREAM_2BW:
-            check_2bw_combination(pipeline_parallel, tensor_parallel, zero_stage)
+            check_2bw_combination(pipeline_parallel, tensor_parallel, zero_stage, activation_checkpointing)
         if pipeline_parallel > 1:
             check_pipeline_combination(
                 pipeline_parallel,

@@ -158,6 +158,7 @@ def test_differs_from_synchronous_training(init_path: str) -> None:
         ({"microbatches": 1}, r"microbatches \(1\) must be >= pipeline_parallel \(2\) for pipedream_2bw"),
         ({"virtual_stages": 2}, r"virtual_stages \(2\) must be 1"),
         ({"context_parallel": 2}, r"context_parallel \(2\)"),
+        ({"activation_checkpointing": "full"}, r"activation_checkpointing \('full'\) is not supported"),
     ],
 )
 def test_unsupported_combinations_are_named(kwargs: dict[str, Any], message: str) -> None:
