@@ -1,9 +1,9 @@
 """PipeDream-2BW: a pipeline that never flushes, with double-buffered weights (Narayanan et al., "Memory-Efficient
 Pipeline-Parallel DNN Training", ICML 2021, arXiv 2006.09503).
 
-Update rule (the paper's 2BW semantics, section 3.1): ``W(t+1) = W(t) - lr * grad f(W(t-1))``. Every micro-batch of
-batch ``t`` runs its forward *and* backward with one weight version on every stage: ``W(t-1)`` (the weights before
-the newest update), so the gradient applied at an update is one update stale. With ``M >= P`` micro-batches per
+Update rule (the paper's 2BW semantics, section 3.1): ``W(t+1) = W(t) - lr * grad f(W(t-1))``, ``W(k)`` the weights
+after ``k`` updates (``W(-1) := W(0)``). Every micro-batch of batch ``t`` runs its forward *and* backward with one
+weight version on every stage: ``W(t-1)``, so the gradient applied at an update is one update stale. With ``M >= P`` micro-batches per
 batch two versions per stage suffice: the live one (forwards of the current batch) and the stashed previous one
 (backwards of the previous batch's last micro-batches, still in flight).
 
@@ -18,8 +18,8 @@ behind its backwards (:func:`window_actions`):
    and run while batch ``t``'s forwards are in flight: forward of batch ``t`` overlaps backward of batch ``t - 1``;
 3. at the end of the window batch ``t - 1`` is complete on this stage: its buffer becomes the new live version (a
    copy of the current live weights) and carries its accumulated gradient ``g(t-1)``, which is set as the
-   parameters' ``.grad``; the caller's optimizer step turns it into ``W(t+1)``. The previous live buffer is now the
-   stash that batch ``t``'s last ``w`` backwards (next window) use. The first call has no finished batch: ``.grad``
+   parameters' ``.grad``; the caller's optimizer step makes update ``t`` (``W(t)``). The previous live buffer is now
+   the stash that batch ``t``'s last ``w`` backwards (next window) use. The first call has no finished batch: ``.grad``
    stays ``None`` and the optimizer step changes nothing.
 
 Weights: each parameter has two buffers (leaf tensors); the ``nn.Parameter`` aliases the live one (``.data``), so a
