@@ -3,9 +3,9 @@ Pipeline-Parallel DNN Training", ICML 2021, arXiv 2006.09503).
 
 Update rule (the paper's 2BW semantics, section 3.1): ``W(t+1) = W(t) - lr * grad f(W(t-1))``, ``W(k)`` the weights
 after ``k`` updates (``W(-1) := W(0)``). Every micro-batch of batch ``t`` runs its forward *and* backward with one
-weight version on every stage: ``W(t-1)``, so the gradient applied at an update is one update stale. With ``M >= P`` micro-batches per
-batch two versions per stage suffice: the live one (forwards of the current batch) and the stashed previous one
-(backwards of the previous batch's last micro-batches, still in flight).
+weight version on every stage: ``W(t-1)``, so the gradient applied at an update is one update stale. With
+``M >= P`` micro-batches per batch two versions per stage suffice: the live one (forwards of the current batch) and
+the stashed previous one (backwards of the previous batch's last micro-batches, still in flight).
 
 One call of :meth:`PipeDream2BWRunner.train_step` (batch ``t``) is one "window" of the endless 1F1B order, cut so
 that it holds exactly the forwards of batch ``t``. Pipeline rank ``s`` of ``P`` lags ``w = P - 1 - s`` forwards
