@@ -264,6 +264,7 @@ class PipeDream2BWRunner(PipelineForwardMixin):
         self.in_flight: dict[int, _InFlight] = {}
         self.pending: list[tuple[Any, Tensor]] = []  # (isend work, tensor kept alive until it is sent)
         self.max_versions = 0  # most weight versions ever in use at once (live + in flight)
+        self.max_in_flight = 0  # most micro-batches ever forwarded and not yet backpropagated (activations held)
         self.log: list[tuple[int, Action, int]] | None = None  # (batch, action, version) when set to a list
 
     # ------------------------------------------------------------------ point to point
@@ -360,6 +361,7 @@ class PipeDream2BWRunner(PipelineForwardMixin):
             else:
                 self._backward(action.microbatch)
             self.max_versions = max(self.max_versions, self._versions_in_use())
+            self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
             if self.log is not None:
                 self.log.append((t, action, self.weights.live))
             self._settle_sends()

@@ -108,6 +108,7 @@ def _pipeline_job(
         "params": {k: v.detach().clone() for k, v in model.named_parameters()},
         "log": runner.log,
         "max_versions": runner.max_versions,
+        "max_in_flight": runner.max_in_flight,
         "versions_at_end": versions_at_end,
         "storages": storages,
         "n_params": len(list(model.parameters())),
@@ -179,6 +180,7 @@ def test_four_ranks_equal_the_delayed_rule_bitwise(dist_pool: Any, states: dict[
         lag = 4 - 1 - rank
         assert r["max_versions"] == (2 if lag > 0 else 1), (rank, r["max_versions"])
         assert r["versions_at_end"] == (2 if lag > 0 else 1), rank
+        assert r["max_in_flight"] == lag + 1, rank  # activations of at most w + 1 micro-batches, as 1F1B
 
 
 def test_action_order_overlaps_batches_without_a_flush(
