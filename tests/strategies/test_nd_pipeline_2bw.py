@@ -56,8 +56,9 @@ def _batches(dp: int, rank: int) -> list[dict[str, torch.Tensor]]:
     return list(loader)
 
 
-def simulate(init_path: str, dp: int, m: int) -> dict[str, Any]:
-    """Single-process PipeDream-2BW: per-rank losses, the final parameters and the parameters after each step."""
+def simulate(init_path: str, dp: int, m: int, clip: float | None = None) -> dict[str, Any]:
+    """Single-process PipeDream-2BW: per-rank losses, the final parameters and the parameters after each step;
+    ``clip``: the applied gradient scaled by ``min(1, clip / (norm + 1e-6))`` (the strategy's clipping)."""
     L.seed_everything(0, verbose=False)
     module = J.Module(**_module_kwargs())
     module.configure_model()
@@ -85,6 +86,11 @@ def simulate(init_path: str, dp: int, m: int) -> dict[str, Any]:
         if pending is not None:  # the previous batch's gradient, computed at the weights that batch saw
             for p, g in zip(params, pending, strict=True):
                 p.grad = g
+            if clip is not None:
+                norm = torch.stack([g.pow(2).sum() for g in pending]).sum().sqrt()
+                coef = (clip / (norm + 1e-6)).clamp(max=1.0)
+                for g in pending:
+                    g.mul_(coef)
             opt.step()
             opt.zero_grad()
         with warnings.catch_warnings():  # step 0 steps the schedule without an update, as Lightning does here
@@ -130,6 +136,23 @@ def test_two_stages_through_lightning_bitwise(dist_pool: Any, init_path: str) ->
     _assert_equal(results, simulate(init_path, 1, 2), nd)
     assert [r["max_versions"] for r in results] == [2, 1]  # the first stage holds the stash across steps
     assert [r["tokens_seen"] for r in results] == [J.STEPS * J.GLOBAL_BATCH * J.SEQ] * 2
+
+
+def test_clipping_clips_the_delayed_gradient(dist_pool: Any, init_path: str) -> None:
+    """``gradient_clip_val`` clips the gradient being applied (the previous batch's) by its norm over both stages.
+    The norm is summed per stage and all-reduced, so the comparison is to 1e-6 relative, not bitwise."""
+    nd = {"pipeline_parallel": 2, "schedule": "pipedream_2bw", "microbatches": 2}
+    results = dist_pool(2).run(_fit_job, init_path, nd, 0.05)
+    ref, unclipped = simulate(init_path, 1, 2, clip=0.05), simulate(init_path, 1, 2)
+    flat = torch.cat([ref["params"][k].flatten() for k in sorted(ref["params"])])
+    for r in results:
+        loss_err = max(abs(a - b) / b for a, b in zip(r["losses"], ref["losses"][0], strict=True))
+        got = torch.cat([r["params"][k].flatten() for k in sorted(ref["params"])])
+        param_err = float((got - flat).norm() / flat.norm())
+        print(f"2bw clip 0.05: losses {loss_err:.1e}, parameters {param_err:.1e}")  # shown with -s
+        assert loss_err <= 1e-6 and param_err <= 1e-6
+    other = torch.cat([unclipped["params"][k].flatten() for k in sorted(ref["params"])])
+    assert float((other - flat).norm() / flat.norm()) > 1e-4  # the clip was active
 
 
 def test_four_ranks_pipeline_and_data_parallel_bitwise(dist_pool: Any, init_path: str) -> None:
