@@ -2,6 +2,8 @@
 
     python examples/pipeline.py --devices 2 --accelerator cpu --pipeline-parallel 2 --schedule 1f1b --microbatches 4
     python examples/pipeline.py --devices 4 --accelerator cpu --pipeline-parallel 2 --schedule zbv --microbatches 4
+    python examples/pipeline.py --devices 4 --accelerator cpu --pipeline-parallel 2 --schedule pipedream_2bw \\
+        --microbatches 4     # PipeDream-2BW: no flush, gradients applied one step late (docs/pipeline.md)
     torchrun --nproc-per-node=8 examples/pipeline.py --devices 8 --model 1b --pipeline-parallel 4 \\
         --schedule interleaved_1f1b --virtual-stages 2 --microbatches 16 --precision bf16-mixed
 

@@ -50,6 +50,21 @@ def write_png(p: Plan, path: str) -> bool:
     return True
 
 
+def _two_bw_line(pp: int, m: int) -> str:
+    """PipeDream-2BW's steady-state time per batch (``parallel.pipeline_2bw.simulate_windows``, same unit costs)."""
+    from lightning_llmopt.parallel.pipeline_2bw import simulate_windows
+
+    if m < pp:
+        return f"pipedream_2bw: cannot plan pp={pp} microbatches={m}: microbatches must be >= pp"
+    free, synced = (simulate_windows(pp, m, 8, sync) for sync in (False, True))
+    per_free, per_sync = free[7] - free[6], synced[7] - synced[6]
+    return (
+        f"pipedream_2bw     V=1  no flush: steady-state time per batch {per_free:g} "
+        f"(bubble {1 - 3 * m / per_free:.4f}), {per_sync:g} with the per-step loss broadcast "
+        f"(bubble {1 - 3 * m / per_sync:.4f}); 1F1B {3 * (m + pp - 1)}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llmopt pipeline-plan", description=__doc__.split("\n")[0])
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
@@ -63,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--pp ({args.pp}) must be >= 2 and --microbatches ({args.microbatches}) >= 1")
     names = sorted(SCHEDULES) if args.all else [args.schedule]
     for name in names:
+        if name == "pipedream_2bw":  # never flushes: no per-batch plan, the steady state per batch instead
+            print(_two_bw_line(args.pp, args.microbatches))
+            continue
         v = args.virtual_stages if args.virtual_stages is not None else SCHEDULES[name][3]
         if not SCHEDULES[name][1]:
             v = 1

@@ -28,6 +28,8 @@ W passes that fill the bubble; Qi et al., arXiv 2401.10241), ``zbv`` and ``dualp
 shape; DeepSeek-V3, arXiv 2412.19437; DualPipeV needs a torch that ships ``ScheduleDualPipeV``). For the last three
 the B/W split is ours by default (:mod:`~lightning_llmopt.parallel.pipeline_wgrad`: B runs the full backward with the
 linear layers' weight gradients queued, W computes them; no recomputation); ``split_backward="torch"`` uses torch's.
+``pipedream_2bw`` (PipeDream-2BW, arXiv 2006.09503: no flush, two weight versions, gradients applied one step late)
+is our own executor, :mod:`~lightning_llmopt.parallel.pipeline_2bw`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ SCHEDULES: dict[str, tuple[str, bool, str, int]] = {
     "zero_bubble": ("ScheduleInterleavedZeroBubble", True, "loop", 2),
     "zbv": ("ScheduleZBVZeroBubble", True, "v", 2),
     "dualpipev": ("ScheduleDualPipeV", True, "v", 2),
+    "pipedream_2bw": ("", False, "loop", 1),  # our own executor, no torch class: parallel/pipeline_2bw.py
 }
 
 
@@ -140,6 +143,8 @@ class PipelineConfig:
         p, name = self.pp, self.schedule
         if name == "1f1b" and m < p:
             raise ValueError(f"microbatches ({m}) must be >= pipeline_parallel ({p}) for 1F1B")
+        if name == "pipedream_2bw" and m < p:  # two weight versions suffice only when M >= P (the paper's bound)
+            raise ValueError(f"microbatches ({m}) must be >= pipeline_parallel ({p}) for pipedream_2bw")
         if name in ("interleaved_1f1b", "zero_bubble") and m % p != 0:
             raise ValueError(f"microbatches ({m}) must be a multiple of pipeline_parallel ({p}) for {name}")
         if self.style == "v" and m < 2 * p:
@@ -267,6 +272,8 @@ def pipeline_grad_norm(params: list[nn.Parameter], pp: int) -> Tensor:
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = params[0].device if params else torch.device("cpu")
+    if not params and world > 1 and dist.get_backend() == "nccl":  # no gradient yet (PipeDream-2BW's first step)
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
         if p.grad is None:

@@ -36,6 +36,7 @@ from lightning_llmopt.parallel.loss_scaler import DynamicLossScaler
 from lightning_llmopt.parallel.mesh import ParallelDims, positive_int
 from lightning_llmopt.parallel.parallelize import NDConfig, Parallelized, sync_gradients
 from lightning_llmopt.parallel.pipeline import PipelineConfig, PipelineRunner, prune_to_stages
+from lightning_llmopt.parallel.pipeline_2bw import PIPEDREAM_2BW, check_2bw_combination, check_2bw_trainer
 from lightning_llmopt.strategies.nd_pipeline import PipelineSteps, check_pipeline_combination, default_zero_stage
 from lightning_llmopt.strategies.nd_precision import NDPrecision
 from lightning_llmopt.strategies.nd_setup import parallelize_model, pipeline_runner, pipeline_split
@@ -59,7 +60,8 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         pipeline_parallel: pipeline stages over the ``"pp"`` mesh dimension (docs/pipeline.md); composes with data
             parallelism, ZeRO (stage 3 with one stage per rank) and tensor (+ sequence) parallelism, not yet with
             context or expert parallelism nor ``compile`` (``NotImplementedError`` naming the degree).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``, ``"zbv"`` or ``"dualpipev"``.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``, ``"zbv"``, ``"dualpipev"`` or
+            ``"pipedream_2bw"`` (no flush, two weight versions, one-step-stale gradients; zero_stage 0, no TP).
         microbatches: micro-batches per step (``None``: ``pipeline_parallel``, twice that for zbv/dualpipev); the
             rows per data-parallel rank must be divisible by it.
         virtual_stages: stages per pipeline rank (``None``: 1 for gpipe/1f1b, 2 for the others).
@@ -139,6 +141,9 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
             zero_stage = default_zero_stage(
                 pipeline_parallel, self.pipeline_config.virtual_stages or 1, tensor_parallel
             )
+            zero_stage = 0 if schedule == PIPEDREAM_2BW and pipeline_parallel > 1 else zero_stage
+        if pipeline_parallel > 1 and schedule == PIPEDREAM_2BW:
+            check_2bw_combination(pipeline_parallel, tensor_parallel, zero_stage, activation_checkpointing)
         if pipeline_parallel > 1:
             check_pipeline_combination(
                 pipeline_parallel,
@@ -257,6 +262,8 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
         module = self.lightning_module
         assert module is not None
         pipelined = None
+        if self.dims.pp > 1 and self.pipeline_config.schedule == PIPEDREAM_2BW:
+            check_2bw_trainer(trainer)
         if self.dims.pp > 1 and not (self._pipeline is not None and self._pipeline_owner is module):
             # (a later fit/validate/test of the same trainer reuses the stages an earlier one split and parallelised)
             if _user_parallelized(module):

@@ -225,6 +225,13 @@ class PipelineSteps:
         self._pipelined_step = True
         return mean
 
+    def on_train_end(self) -> None:
+        """PipeDream-2BW leaves backwards in flight between steps: run them before anything else communicates."""
+        drain = getattr(self._pipeline, "drain", None)
+        if drain is not None:
+            drain()
+        super().on_train_end()  # type: ignore[misc]
+
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if not self._pipelined_step:
             return super().backward(closure_loss, optimizer, *args, **kwargs)

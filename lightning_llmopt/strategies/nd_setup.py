@@ -18,6 +18,7 @@ from torch import nn
 from lightning_llmopt.parallel.mesh import ParallelDims
 from lightning_llmopt.parallel.parallelize import NDConfig, Parallelized, find_models, materialize, parallelize
 from lightning_llmopt.parallel.pipeline import PipelineConfig, PipelineRunner, stage_modules, validate_pipeline
+from lightning_llmopt.parallel.pipeline_2bw import PIPEDREAM_2BW, PipeDream2BWRunner
 from lightning_llmopt.parallel.pipeline_tp import TPStageBoundary
 from lightning_llmopt.strategies.nd_pipeline import model_path
 
@@ -78,6 +79,11 @@ def pipeline_runner(
 ) -> PipelineRunner:
     """The stages of this rank's (pruned, parallelised) ``model`` under the schedule, over the ``"pp"`` group."""
     boundary = TPStageBoundary(mesh["tp"], config.sequence_parallel) if dims.tp > 1 else None
+    if pipeline_config.schedule == PIPEDREAM_2BW:  # our own executor (double-buffered weights, no flush)
+        runner: Any = PipeDream2BWRunner(
+            stage_modules(model, split, pp_rank), split, pipeline_config, mesh["pp"].get_group(), root_device
+        )
+        return runner
     return PipelineRunner(
         stage_modules(model, split, pp_rank), split, pipeline_config, mesh["pp"].get_group(), root_device, boundary
     )
