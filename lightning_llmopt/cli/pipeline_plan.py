@@ -74,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--virtual-stages", "-v", type=int, default=None, help="stages per rank V")
     parser.add_argument("--png", default=None, help="write the theoretical timeline as a PNG (the plot extra)")
     args = parser.parse_args(argv)
+    if args.png and (args.all or args.schedule == "pipedream_2bw"):
+        what = "--all" if args.all else "pipedream_2bw (it never flushes: there is no per-batch timeline)"
+        parser.error(f"--png draws one schedule's timeline, not {what}")
     if args.pp < 2 or args.microbatches < 1:
         parser.error(f"--pp ({args.pp}) must be >= 2 and --microbatches ({args.microbatches}) >= 1")
     names = sorted(SCHEDULES) if args.all else [args.schedule]

@@ -235,6 +235,9 @@ def test_pipeline_plan_cli_reports_the_steady_state(capsys: pytest.CaptureFixtur
     main(["--schedule", "pipedream_2bw", "--pp", "4", "--microbatches", "8"])
     out = capsys.readouterr().out
     assert "time per batch 24 (bubble 0.0000), 27 with the per-step loss broadcast (bubble 0.1111); 1F1B 33" in out
+    with pytest.raises(SystemExit):  # no per-batch timeline to draw: refused, not silently skipped
+        main(["--schedule", "pipedream_2bw", "--png", "plan.png"])
+    assert "--png draws one schedule's timeline, not pipedream_2bw" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
