@@ -79,15 +79,21 @@ class LLMEngine(EngineOutputs):
         self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         assert cfg.n_kv_heads is not None and cfg.head_dim is not None
         kv_dtype = torch.int8 if config.kv_dtype == "int8" else self.dtype
-        self.pool = KVPool(
-            cfg.n_layers,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            pool_blocks(cfg, config, self.max_model_len, self.device, kv_dtype),
-            config.block_size,
-            kv_dtype,
-            self.device,
-        )
+        if cfg.mla is not None:  # multi-head latent attention: a latent pool and the absorbed-form runner
+            from lightning_llmopt.inference import mla_cache
+
+            mla_cache.check_mla_engine(config)
+            self.pool = mla_cache.latent_pool(cfg, config, self.max_model_len, self.device, kv_dtype)
+        else:
+            self.pool = KVPool(
+                cfg.n_layers,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                pool_blocks(cfg, config, self.max_model_len, self.device, kv_dtype),
+                config.block_size,
+                kv_dtype,
+                self.device,
+            )
         if kv_scales is not None:
             self.pool.set_scales(kv_scales)
         self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
@@ -104,7 +110,10 @@ class LLMEngine(EngineOutputs):
             cfg.sliding_window,
             config.admission,
         )
-        self.runner = ModelRunner(model, self.pool, config.attention_backend, config.fused_kernels)
+        runner_cls = ModelRunner
+        if cfg.mla is not None:
+            runner_cls = mla_cache.MLARunner
+        self.runner = runner_cls(model, self.pool, config.attention_backend, config.fused_kernels)
         self.graphs = None
         spec_tokens = config.speculative.num_tokens if config.speculative is not None else 0
         sizes = graph_sizes(config.graph_batch_sizes, config.max_num_seqs, spec_tokens)

@@ -1,0 +1,128 @@
+"""The engine's paged cache for multi-head latent attention (MLA): a latent pool and the absorbed-form runner.
+
+Under MLA (:mod:`lightning_llmopt.models.mla`) a token's cache entry is one vector ``[c, k_rope]`` of
+``kv_lora_rank + qk_rope_head_dim`` numbers per layer, shared by every head. :class:`LatentKVPool` stores exactly
+that: ``data[layer, 0, block, 0, slot, :]``, one tensor where a GQA pool has keys and values, so a token costs
+
+    n_layers * (kv_lora_rank + qk_rope_head_dim) * dtype bytes
+
+and the same block manager, prefix cache and copy-on-write work unchanged on it.
+
+:class:`MLARunner` runs every step in the absorbed form: each head's query becomes ``[W_UK_h^T q_nope_h, q_rope_h]``
+and attends, as multi-query attention with one key/value head, to the latent serving as both key and value (the
+value's last ``qk_rope_head_dim`` channels are dropped from the output, then ``W_UV`` and ``wo`` apply). Decode rows
+go through the unchanged paged kernel (:func:`~lightning_llmopt.kernels.paged_attention`) reading the latent pages
+for keys and values alike; prefill chunks through the varlen flash kernel over the same latent. The kernels use
+their default scale ``1 / sqrt(r + d_r)``; the model's ``1 / sqrt(d_n + d_r)`` is folded into the absorbed query.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_llmopt.inference.kv_pool import KVPool, blocks_from_free_memory
+from lightning_llmopt.inference.runner import ModelRunner
+from lightning_llmopt.inference.step_inputs import StepInputs
+from lightning_llmopt.models.llama import Llama
+
+__all__ = ["LatentKVPool", "MLARunner", "latent_block_bytes", "latent_pool", "check_mla_engine"]
+
+
+def latent_block_bytes(n_layers: int, latent_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of the latent pool across all layers."""
+    return n_layers * block_size * latent_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class LatentKVPool(KVPool):
+    """A :class:`KVPool` holding one latent vector per token and layer instead of keys and values.
+
+    Arguments:
+        n_layers: model layers.
+        latent_dim: ``kv_lora_rank + qk_rope_head_dim``.
+        num_blocks, block_size, dtype, device: as :class:`KVPool` (float dtypes only).
+
+    :meth:`layer` returns the same ``(num_blocks, 1, block_size, latent_dim)`` tensor as keys and values;
+    :meth:`write` stores ``k`` (the latent) and ignores ``v``.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        latent_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if not dtype.is_floating_point:
+            raise ValueError(f"the MLA latent cache stores floats, got kv dtype {dtype} (int8 KV is GQA-only)")
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, 1, latent_dim
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.device = torch.device(device)
+        self.data = torch.zeros(n_layers, 1, num_blocks, 1, block_size, latent_dim, dtype=dtype, device=device)
+        self.scales = None
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.data[i, 0], self.data[i, 0]
+
+    def write(self, layer: int, k: Tensor, v: Tensor, blocks: Tensor, slots: Tensor) -> None:
+        """Store the latent ``k`` ``(N, 1, latent_dim)`` at ``(blocks[i], slots[i])`` (``v`` is the same)."""
+        self.data[layer, 0][blocks, :, slots] = k.to(self.dtype)
+
+    def read(self, layer: int, blocks: Tensor, slots: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        lat = self.data[layer, 0][blocks, :, slots].to(dtype)
+        return lat, lat
+
+
+def latent_pool(model_cfg: Any, config: Any, max_model_len: int, device: torch.device, dtype: torch.dtype) -> LatentKVPool:
+    """The engine's latent pool: ``config.num_blocks`` blocks, else what fits in free GPU memory (the rule of
+    :func:`~lightning_llmopt.inference.kv_pool.pool_blocks`, with the latent's block bytes)."""
+    mla = model_cfg.mla
+    useful = 4 * config.max_num_seqs * math.ceil(max_model_len / config.block_size) + 1
+    if config.num_blocks is not None:
+        n = config.num_blocks
+    elif device.type != "cuda":
+        n = min(useful, 4096)
+    else:
+        per = latent_block_bytes(model_cfg.n_layers, mla.latent_dim, config.block_size, dtype)
+        n = min(useful, blocks_from_free_memory(device, per, config.gpu_memory_fraction, int(config.reserve_gib * 2**30)))
+    return LatentKVPool(model_cfg.n_layers, mla.latent_dim, n, config.block_size, dtype, device)
+
+
+def check_mla_engine(config: Any) -> None:
+    """Refuse engine options the latent cache does not support, naming them."""
+    if config.kv_dtype == "int8":
+        raise ValueError("kv_dtype ('int8') is not supported with MLA: the latent cache stores the model's dtype")
+    if config.speculative is not None:
+        raise ValueError("speculative decoding is not supported with MLA models (speculative must be None)")
+
+
+class MLARunner(ModelRunner):
+    """:class:`ModelRunner` for MLA models: every token attends in the absorbed form over a :class:`LatentKVPool`
+    (module docstring). The elementwise fused path is off (it knows GQA blocks only)."""
+
+    def __init__(self, model: Llama, pool: KVPool, backend: str = "auto", fused: bool | None = None) -> None:
+        if model.config.mla is None:
+            raise ValueError("MLARunner needs a model with config.mla set")
+        if not isinstance(pool, LatentKVPool):
+            raise TypeError(f"MLARunner needs a LatentKVPool, got {type(pool).__name__}")
+        if fused:
+            raise ValueError("fused_kernels=True is not supported with MLA models (the fused decode is GQA-only)")
+        super().__init__(model, pool, backend, fused=False)
+
+    def _block(self, i: int, block: Any, h: Tensor, inp: StepInputs, max_context: int | None) -> Tensor:
+        attn = block.attention
+        x = block.attention_norm(h)[None]  # (1, N, dim): the packed step as one row
+        pos = inp.positions[None]
+        q_nope, q_rope = attn.queries(x, self.model.rope, pos)  # (1, H, N, d_n), (1, H, N, d_r)
+        q = attn.absorbed_query(q_nope, q_rope)[0].transpose(0, 1)  # (N, H, r + d_r)
+        lat = attn.latent(x, self.model.rope, pos)[0].transpose(0, 1)  # (N, 1, r + d_r)
+        q = q * (attn.scale * math.sqrt(q.shape[-1]))  # the kernels scale by 1/sqrt(r + d_r)
+        self.pool.write(i, lat, lat, inp.blocks, inp.slots)
+        o = self.attention(i, q.contiguous(), lat, lat, inp, max_context)[..., : attn.r]  # (N, H, r)
+        h = h + attn.absorbed_output(o)
+        return h + block.feed_forward(block.ffn_norm(h))
