@@ -79,6 +79,7 @@ class LLMEngine(EngineOutputs):
         self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         assert cfg.n_kv_heads is not None and cfg.head_dim is not None
         kv_dtype = torch.int8 if config.kv_dtype == "int8" else self.dtype
+        self.pool: KVPool
         if cfg.mla is not None:  # multi-head latent attention: a latent pool and the absorbed-form runner
             from lightning_llmopt.inference import mla_cache
 

@@ -78,7 +78,9 @@ class LatentKVPool(KVPool):
         return lat, lat
 
 
-def latent_pool(model_cfg: Any, config: Any, max_model_len: int, device: torch.device, dtype: torch.dtype) -> LatentKVPool:
+def latent_pool(
+    model_cfg: Any, config: Any, max_model_len: int, device: torch.device, dtype: torch.dtype
+) -> LatentKVPool:
     """The engine's latent pool: ``config.num_blocks`` blocks, else what fits in free GPU memory (the rule of
     :func:`~lightning_llmopt.inference.kv_pool.pool_blocks`, with the latent's block bytes)."""
     mla = model_cfg.mla
@@ -89,7 +91,8 @@ def latent_pool(model_cfg: Any, config: Any, max_model_len: int, device: torch.d
         n = min(useful, 4096)
     else:
         per = latent_block_bytes(model_cfg.n_layers, mla.latent_dim, config.block_size, dtype)
-        n = min(useful, blocks_from_free_memory(device, per, config.gpu_memory_fraction, int(config.reserve_gib * 2**30)))
+        reserve = int(config.reserve_gib * 2**30)
+        n = min(useful, blocks_from_free_memory(device, per, config.gpu_memory_fraction, reserve))
     return LatentKVPool(model_cfg.n_layers, mla.latent_dim, n, config.block_size, dtype, device)
 
 

@@ -59,7 +59,8 @@ class MLAttention(nn.Module):
         assert mla is not None
         self.layer_id = layer_id
         self.n_heads = config.n_heads
-        self.r, self.d_n, self.d_r, self.d_v = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.r, self.d_n = mla.kv_lora_rank, mla.qk_nope_head_dim
+        self.d_r, self.d_v = mla.qk_rope_head_dim, mla.v_head_dim
         self.backend = config.attn_backend
         self.scale = 1.0 / math.sqrt(mla.qk_head_dim)
         self.absorb = True
@@ -108,7 +109,7 @@ class MLAttention(nn.Module):
         return w[:, : self.d_n], w[:, self.d_n :]
 
     def absorbed_query(self, q_nope: Tensor, q_rope: Tensor) -> Tensor:
-        """``[W_UK_h^T q_nope_h, q_rope_h]`` ``(..., H, T, r + d_r)`` from ``(..., H, T, d_n)``, ``(..., H, T, d_r)``."""
+        """``[W_UK_h^T q_nope_h, q_rope_h]`` ``(..., H, T, r + d_r)`` of ``(..., H, T, d_n)``, ``(..., H, T, d_r)``."""
         w_uk, _ = self._up()
         return torch.cat([torch.einsum("...htn,hnr->...htr", q_nope, w_uk), q_rope], dim=-1)
 

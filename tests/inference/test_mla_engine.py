@@ -6,7 +6,6 @@ refused by name."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightning_llmopt.inference import LLMEngine, SamplingParams
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs
