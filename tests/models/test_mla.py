@@ -154,8 +154,15 @@ def test_short_training_run_loss_decreases():
 def test_shapes_and_parameter_names():
     model = _model(mla=dict(MLA, q_lora_rank=24))
     names = {n.split("attention.")[1] for n in model.state_dict() if ".attention." in n}
-    assert names == {"wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv_a.weight", "kv_norm.weight",
-                     "wkv_b.weight", "wo.weight"}
+    assert names == {
+        "wq_a.weight",
+        "q_norm.weight",
+        "wq_b.weight",
+        "wkv_a.weight",
+        "kv_norm.weight",
+        "wkv_b.weight",
+        "wo.weight",
+    }
     assert model.rope.shape[1] == MLA["qk_rope_head_dim"] // 2
     cache = StaticKVCache.for_model(model, 1, 8)
     assert cache.k[0].shape == (1, 1, 8, MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"])
