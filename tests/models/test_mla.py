@@ -190,3 +190,11 @@ def test_config_roundtrip():
     cfg = LlamaConfig.from_preset("tiny", mla=MLA)
     again = LlamaConfig.from_dict(cfg.to_dict())
     assert again.mla == cfg.mla and isinstance(again.mla, MLAConfig)
+
+
+def test_tensor_parallel_plan_refuses_mla():
+    from lightning_llmopt.parallel.tp_plans import find_family
+
+    with pytest.raises(ValueError, match="tensor parallelism has no plan for multi-head latent attention"):
+        find_family(_model())
+    assert find_family(Llama(LlamaConfig.from_preset("tiny"))).name == "llmopt-llama"
