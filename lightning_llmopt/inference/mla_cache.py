@@ -29,7 +29,17 @@ from lightning_llmopt.inference.runner import ModelRunner
 from lightning_llmopt.inference.step_inputs import StepInputs
 from lightning_llmopt.models.llama import Llama
 
-__all__ = ["LatentKVPool", "MLARunner", "latent_block_bytes", "latent_pool", "check_mla_engine"]
+__all__ = ["LatentKVPool", "MLARunner", "check_mla_engine", "kv_bytes_per_token", "latent_block_bytes", "latent_pool"]
+
+
+def kv_bytes_per_token(model_cfg: Any, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes the engine's paged cache holds per token of context, from the config alone: MLA
+    ``n_layers * (kv_lora_rank + qk_rope_head_dim) * b``; GQA/MHA ``2 * n_layers * n_kv_heads * head_dim * b``
+    (``b`` the bytes of ``dtype``)."""
+    b = torch.empty((), dtype=dtype).element_size()
+    if model_cfg.mla is not None:
+        return int(model_cfg.n_layers * model_cfg.mla.latent_dim * b)
+    return int(2 * model_cfg.n_layers * model_cfg.n_kv_heads * model_cfg.head_dim * b)
 
 
 def latent_block_bytes(n_layers: int, latent_dim: int, block_size: int, dtype: torch.dtype) -> int:

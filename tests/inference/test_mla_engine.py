@@ -6,10 +6,11 @@ refused by name."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_llmopt.inference import LLMEngine, SamplingParams
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs
-from lightning_llmopt.inference.mla_cache import LatentKVPool
+from lightning_llmopt.inference.mla_cache import LatentKVPool, kv_bytes_per_token
 from lightning_llmopt.inference.speculative import SpeculativeConfig
 from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
 
@@ -41,6 +42,11 @@ def test_pool_is_latent_and_bytes_follow_formula(model_factory):
     # the same model with GQA attention would hold 2 * n_kv_heads * head_dim per layer and token
     gqa = LLMEngine(model_factory(seed=0), block_size=8, num_blocks=40).pool
     assert gqa.nbytes == cfg.n_layers * 2 * 2 * 16 * 4 * 40 * 8  # tiny preset: 2 KV heads of 16
+    # the config-only formula of the docs' table agrees with both pools
+    for eng_pool, model_cfg in ((pool, cfg), (gqa, model_factory(seed=0).config)):
+        assert (
+            kv_bytes_per_token(model_cfg, torch.float32) * eng_pool.num_blocks * eng_pool.block_size == eng_pool.nbytes
+        )
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 24])
