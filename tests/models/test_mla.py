@@ -198,3 +198,11 @@ def test_tensor_parallel_plan_refuses_mla():
     with pytest.raises(ValueError, match="tensor parallelism has no plan for multi-head latent attention"):
         find_family(_model())
     assert find_family(Llama(LlamaConfig.from_preset("tiny"))).name == "llmopt-llama"
+
+
+def test_context_parallel_refuses_mla():
+    from lightning_llmopt.parallel.context_parallel import _attention_modules
+
+    with pytest.raises(NotImplementedError, match="context parallelism does not support multi-head latent attention"):
+        _attention_modules(_model())
+    assert len(_attention_modules(Llama(LlamaConfig.from_preset("tiny")))) == 2
