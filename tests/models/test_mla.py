@@ -206,3 +206,41 @@ def test_context_parallel_refuses_mla():
     with pytest.raises(NotImplementedError, match="context parallelism does not support multi-head latent attention"):
         _attention_modules(_model())
     assert len(_attention_modules(Llama(LlamaConfig.from_preset("tiny")))) == 2
+
+
+def test_lightning_module_trains_and_restores_mla(tmp_path):
+    """``CausalLMModule`` with an MLA config: the loss falls under the Trainer and a checkpoint restores the model."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_llmopt import CausalLMModule
+
+    L.seed_everything(0)
+    rows = [(torch.arange(40) + i) % 7 for i in range(32)]
+    data = [{"input_ids": r[:-1], "labels": r[1:]} for r in rows]
+    module = CausalLMModule(
+        "tiny", model_overrides={"vocab_size": 64, "mla": dict(MLA)}, learning_rate=3e-3, warmup_steps=2
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=25,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    batch = torch.stack([d["input_ids"] for d in data[:4]])
+    module.configure_model()  # builds the model (fit keeps it)
+    with torch.no_grad():
+        before = module.model.loss(batch, torch.stack([d["labels"] for d in data[:4]])).item()
+    trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True))
+    module.eval()
+    with torch.no_grad():
+        after = module.model.loss(batch, torch.stack([d["labels"] for d in data[:4]])).item()
+    assert after < 0.5 * before
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    restored = CausalLMModule.load_from_checkpoint(tmp_path / "m.ckpt").eval()
+    assert restored.config == module.config and restored.config.mla is not None
+    torch.testing.assert_close(restored(batch), module(batch), rtol=0, atol=0)
