@@ -8,12 +8,18 @@ that: ``data[layer, 0, block, 0, slot, :]``, one tensor where a GQA pool has key
 
 and the same block manager, prefix cache and copy-on-write work unchanged on it.
 
-:class:`MLARunner` runs every step in the absorbed form: each head's query becomes ``[W_UK_h^T q_nope_h, q_rope_h]``
-and attends, as multi-query attention with one key/value head, to the latent serving as both key and value (the
-value's last ``qk_rope_head_dim`` channels are dropped from the output, then ``W_UV`` and ``wo`` apply). Decode rows
-go through the unchanged paged kernel (:func:`~lightning_llmopt.kernels.paged_attention`) reading the latent pages
-for keys and values alike; prefill chunks through the varlen flash kernel over the same latent. The kernels use
-their default scale ``1 / sqrt(r + d_r)``; the model's ``1 / sqrt(d_n + d_r)`` is folded into the absorbed query.
+:class:`MLARunner` writes each new token's latent to the pool, then
+
+- decode rows (memory-bound) run in the absorbed form: each head's query becomes ``[W_UK_h^T q_nope_h, q_rope_h]``
+  and attends, as multi-query attention with one key/value head, to the latent pages serving as both keys and
+  values, through the unchanged paged kernel (:func:`~lightning_llmopt.kernels.paged_attention`); the output's last
+  ``qk_rope_head_dim`` channels are dropped, then ``W_UV`` and ``wo`` apply;
+- prefill chunks (compute-bound) run in the naive form: per-head keys and values expanded from the new tokens'
+  latents and, for chunks with cached context, from the context's latents read back from the pool, through the
+  varlen flash kernel with ``v`` zero-padded to the key width (head dims of 192 for DeepSeek's shapes, where the
+  absorbed form's 576-wide heads would be far outside the flash kernel's tuned range).
+
+Both use the model's softmax scale ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from torch import Tensor
 from lightning_llmopt.inference.kv_pool import KVPool, blocks_from_free_memory
 from lightning_llmopt.inference.runner import ModelRunner
 from lightning_llmopt.inference.step_inputs import StepInputs
+from lightning_llmopt.kernels.flash_attention import flash_attention
+from lightning_llmopt.kernels.paged_attention import paged_attention
 from lightning_llmopt.models.llama import Llama
 
 __all__ = ["LatentKVPool", "MLARunner", "check_mla_engine", "kv_bytes_per_token", "latent_block_bytes", "latent_pool"]
@@ -115,8 +123,9 @@ def check_mla_engine(config: Any) -> None:
 
 
 class MLARunner(ModelRunner):
-    """:class:`ModelRunner` for MLA models: every token attends in the absorbed form over a :class:`LatentKVPool`
-    (module docstring). The elementwise fused path is off (it knows GQA blocks only)."""
+    """:class:`ModelRunner` for MLA models over a :class:`LatentKVPool` (module docstring): decode rows in the absorbed
+    form through the paged kernel, prefill chunks in the naive form through the varlen flash kernel. The elementwise
+    fused path is off (it knows GQA blocks only)."""
 
     def __init__(self, model: Llama, pool: KVPool, backend: str = "auto", fused: bool | None = None) -> None:
         if model.config.mla is None:
@@ -132,10 +141,66 @@ class MLARunner(ModelRunner):
         x = block.attention_norm(h)[None]  # (1, N, dim): the packed step as one row
         pos = inp.positions[None]
         q_nope, q_rope = attn.queries(x, self.model.rope, pos)  # (1, H, N, d_n), (1, H, N, d_r)
-        q = attn.absorbed_query(q_nope, q_rope)[0].transpose(0, 1)  # (N, H, r + d_r)
         lat = attn.latent(x, self.model.rope, pos)[0].transpose(0, 1)  # (N, 1, r + d_r)
-        q = q * (attn.scale * math.sqrt(q.shape[-1]))  # the kernels scale by 1/sqrt(r + d_r)
         self.pool.write(i, lat, lat, inp.blocks, inp.slots)
-        o = self.attention(i, q.contiguous(), lat, lat, inp, max_context)[..., : attn.r]  # (N, H, r)
-        h = h + attn.absorbed_output(o)
+        nd = inp.num_decode
+        outs = []
+        if nd:
+            outs.append(self._decode(i, attn, q_nope[:, :, :nd], q_rope[:, :, :nd], inp, max_context))
+        if inp.seg_cu is not None:
+            outs.append(self._prefill(i, attn, q_nope[0, :, nd:], q_rope[0, :, nd:], lat[nd:], inp))
+        h = h + (outs[0] if len(outs) == 1 else torch.cat(outs))
         return h + block.feed_forward(block.ffn_norm(h))
+
+    def _decode(
+        self, i: int, attn: Any, q_nope: Tensor, q_rope: Tensor, inp: StepInputs, max_context: int | None
+    ) -> Tensor:
+        """Absorbed form of the ``nd`` decode rows: ``(nd, dim)``."""
+        q = attn.absorbed_query(q_nope, q_rope)[0].transpose(0, 1).contiguous()  # (nd, H, r + d_r)
+        kc, vc = self.pool.layer(i)  # the same latent pages: keys, and values whose last d_r channels are dropped
+        o = paged_attention(
+            q,
+            kc,
+            vc,
+            inp.dec_tables,
+            inp.dec_ctx,
+            softmax_scale=attn.scale,
+            max_context=max_context or inp.dec_max_ctx,
+            backend=self.backend,
+        )
+        return attn.absorbed_output(o[..., : attn.r])
+
+    def _prefill(self, i: int, attn: Any, q_nope: Tensor, q_rope: Tensor, lat: Tensor, inp: StepInputs) -> Tensor:
+        """Naive form of the prefill chunks (``q_*`` ``(H, P, .)``, their latents ``(P, 1, r + d_r)``): ``(P, dim)``.
+
+        Segments with cached context get the context's latents read back from the pool and expanded like the new
+        tokens'; ``v`` is zero-padded to the key width for the flash kernel and the output sliced back."""
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # (P, H, d_n + d_r)
+        if inp.seg_new is not None:
+            assert inp.seg_ctx is not None and inp.ctx_blocks is not None and inp.ctx_slots is not None
+            rows = inp.seg_total
+            q_all = q.new_zeros(rows, *q.shape[1:])
+            q_all[inp.seg_new] = q
+            lat_all = lat.new_empty(rows, *lat.shape[1:])
+            lat_all[inp.seg_new] = lat
+            lat_all[inp.seg_ctx] = self.pool.read(i, inp.ctx_blocks, inp.ctx_slots, lat.dtype)[0]
+            q, lat = q_all, lat_all
+        k, v = attn.expand_kv(lat.transpose(0, 1)[None])  # (1, H, T, d_n + d_r), (1, H, T, d_v)
+        k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (T, H, d_n + d_r), (T, H, d_v)
+        width = max(k.shape[-1], v.shape[-1])
+        pad = torch.nn.functional.pad
+        out = flash_attention(
+            pad(q, (0, width - q.shape[-1])),
+            pad(k, (0, width - k.shape[-1])),
+            pad(v, (0, width - v.shape[-1])),
+            causal=True,
+            softmax_scale=attn.scale,
+            cu_seqlens=inp.seg_cu,
+            max_seqlen=inp.seg_max,
+            backend=None if self.backend == "auto" else self.backend,
+        )
+        assert isinstance(out, Tensor)
+        out = out[..., : attn.d_v]
+        if inp.seg_new is not None:
+            out = out[inp.seg_new]
+        return attn.wo(out.reshape(out.shape[0], -1))

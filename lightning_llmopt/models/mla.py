@@ -119,14 +119,15 @@ class MLAttention(nn.Module):
         o = torch.einsum("...hr,hvr->...hv", o_latent, w_uv)  # (..., H, d_v)
         return self.wo(o.flatten(-2))
 
-    def _expand(self, latent: Tensor, q_nope: Tensor, q_rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Naive per-head ``q, k, v`` ``(B, H, ., .)`` from the latent ``(B, 1, S, r + d_r)``."""
+    def expand_kv(self, latent: Tensor) -> tuple[Tensor, Tensor]:
+        """Naive per-head keys ``(B, H, S, d_n + d_r)`` and values ``(B, H, S, d_v)`` of ``latent``
+        ``(B, 1, S, r + d_r)``."""
         B, _, S, _ = latent.shape
         c, k_rope = latent[:, 0].split([self.r, self.d_r], dim=-1)  # (B, S, r), (B, S, d_r)
         kv = self.wkv_b(c).view(B, S, -1, self.d_n + self.d_v).transpose(1, 2)  # (B, H, S, d_n + d_v)
         k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        return torch.cat([q_nope, q_rope], dim=-1), k, v
+        return k, v
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -142,8 +143,8 @@ class MLAttention(nn.Module):
                 q = self.absorbed_query(q_nope, q_rope)  # (B, H, T, r + d_r)
                 o = attention(q, latent, latent, mask, backend=self.backend, scale=self.scale)[..., : self.r]
                 return self.absorbed_output(o.transpose(1, 2))
-        q, k, v = self._expand(latent, q_nope, q_rope)
-        out = self._attend(q, k, v, mask)  # (B, H, T, d_v)
+        k, v = self.expand_kv(latent)
+        out = self._attend(torch.cat([q_nope, q_rope], dim=-1), k, v, mask)  # (B, H, T, d_v)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask) -> Tensor:
