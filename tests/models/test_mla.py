@@ -244,3 +244,12 @@ def test_lightning_module_trains_and_restores_mla(tmp_path):
     restored = CausalLMModule.load_from_checkpoint(tmp_path / "m.ckpt").eval()
     assert restored.config == module.config and restored.config.mla is not None
     torch.testing.assert_close(restored(batch), module(batch), rtol=0, atol=0)
+
+
+def test_optimize_model_sets_the_mla_attention_backend():
+    from lightning_llmopt.optimize import optimize_model
+
+    model = _model()
+    optimize_model(model, rmsnorm=False, rope=False, swiglu=False, fused_ce=False, attention="eager")
+    assert {block.attention.backend for block in model.layers.values()} == {"eager"}
+    assert model.config.attn_backend == "eager"
