@@ -207,13 +207,29 @@ def _permute_rope_rows(name: str, w: Tensor, mla: MLAConfig, to_ours: bool) -> T
     return w
 
 
+def _check_shapes(sd: Mapping[str, Tensor], config: LlamaConfig, names: Mapping[str, str]) -> None:
+    """``ValueError`` listing every tensor whose shape differs from the model's (built on the meta device)."""
+    from lightning_llmopt.models.llama import Llama
+
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in Llama(config).state_dict().items()}
+    bad = [
+        f"{names.get(k, k)}: {tuple(t.shape)} (expected {want[k]})" for k, t in sd.items() if tuple(t.shape) != want[k]
+    ]
+    if bad:
+        raise ValueError(f"{len(bad)} tensor(s) have the wrong shape for the config: " + "; ".join(bad))
+
+
 def deepseek_state_dict_from_hf(sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
-    """Our RoPE layout for a DeepSeek state dict already given our names (new tensors only where rows move)."""
+    """Our RoPE layout for a DeepSeek state dict already given our names (new tensors only where rows move); a
+    ``ValueError`` lists tensors of the wrong shape."""
     assert config.mla is not None
+    _check_shapes(sd, config, deepseek_key_map(config))
     return {k: _permute_rope_rows(k, v, config.mla, to_ours=True) for k, v in sd.items()}
 
 
 def deepseek_state_dict_to_hf(sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str, Tensor]:
     """Our state dict in DeepSeek's interleaved RoPE layout (names unchanged; renaming is the caller's)."""
     assert config.mla is not None
+    _check_shapes(sd, config, {})
     return {k: _permute_rope_rows(k, v, config.mla, to_ours=False) for k, v in sd.items()}

@@ -110,7 +110,7 @@ def state_dict_from_hf(hf_sd: Mapping[str, Tensor], config: LlamaConfig) -> dict
     sd = {ours_of[k]: v for k, v in hf.items()}
     if config.tie_embeddings:
         sd["output.weight"] = sd["tok_embeddings.weight"]
-    if config.mla is not None:  # DeepSeek: RoPE rows to our layout; shapes are checked when the model loads them
+    if config.mla is not None:  # DeepSeek: shapes checked, RoPE rows to our layout
         from lightning_llmopt.models.hf_deepseek import deepseek_state_dict_from_hf
 
         return deepseek_state_dict_from_hf(sd, config)
@@ -133,7 +133,7 @@ def state_dict_to_hf(sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str,
     if unknown or missing:
         raise KeyError(f"state dict does not match the config: unknown keys {unknown[:20]}, "
                        f"missing keys {missing[:20]}")
-    if config.mla is not None:  # DeepSeek: RoPE rows to its interleaved layout
+    if config.mla is not None:  # DeepSeek: shapes checked, RoPE rows to its layout
         from lightning_llmopt.models.hf_deepseek import deepseek_state_dict_to_hf
 
         sd = deepseek_state_dict_to_hf(sd, config)

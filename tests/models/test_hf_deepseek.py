@@ -123,3 +123,14 @@ def _cfg(**extra: Any) -> dict[str, Any]:
 def test_refusals_name_the_field(extra, match):
     with pytest.raises(NotImplementedError, match=match):
         config_from_hf(_cfg(**extra))
+
+
+def test_wrong_shapes_are_listed():
+    from lightning_llmopt.models.hf import state_dict_from_hf
+
+    hf = _hf_model("v2 (q lora)")
+    config, _ = config_from_hf(hf.config)
+    sd = dict(hf.state_dict())
+    sd["model.layers.1.self_attn.kv_b_proj.weight"] = torch.zeros(3, 32)
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.kv_b_proj.weight: \\(3, 32\\) \\(expected"):
+        state_dict_from_hf(sd, config)
