@@ -116,3 +116,24 @@ def test_triton_kernels_in_interpreter(model_factory, reference, prompts_factory
 def test_refused_options(model_factory, overrides, match):
     with pytest.raises(ValueError, match=match):
         LLMEngine(_mla_model(model_factory), block_size=8, num_blocks=16, **overrides)
+
+
+def test_paged_cache_adapter_over_latent_pool(model_factory):
+    """The protocol-level ``PagedKVCache`` on a ``LatentKVPool``: the plain model decodes over paged latents (both
+    forms) with the logits of its full forward."""
+    from lightning_llmopt.inference.block_manager import BlockManager
+    from lightning_llmopt.inference.paged_cache import PagedKVCache
+
+    model = _mla_model(model_factory, seed=6)
+    tokens = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)
+        for absorb in (True, False):
+            for block in model.layers.values():
+                block.attention.absorb = absorb
+            pool = LatentKVPool(model.config.n_layers, 40, 16, 4, torch.float32, "cpu")
+            cache = PagedKVCache(pool, BlockManager(16, 4), batch_size=2)
+            outs = [model(tokens[:, :5], positions=torch.arange(5).expand(2, 5), kv_cache=cache)]
+            for i in range(5, 13):
+                outs.append(model(tokens[:, i : i + 1], positions=torch.full((2, 1), i), kv_cache=cache))
+            torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
