@@ -192,9 +192,12 @@ def _optimize_llama(
         if attention not in registered_backends():
             raise ValueError(f"attention ({attention!r}) must be one of {sorted(registered_backends())}")
         model.config.attn_backend = attention  # type: ignore[union-attr]
-        for m in attentions:
+        from lightning_llmopt.models.mla import MLAttention  # MLA blocks take the backend too (no rope/pack hooks)
+
+        mla = [m for m in model.modules() if isinstance(m, MLAttention)]
+        for m in [*attentions, *mla]:
             m.backend = attention
-        counts["attention"] = len(attentions)
+        counts["attention"] = len(attentions) + len(mla)
     return counts
 
 

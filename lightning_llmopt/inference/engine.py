@@ -88,15 +88,22 @@ class LLMEngine(EngineOutputs):
         if self.device.type == "cuda":
             watch_triton(startup)
         startup.mark("kv pool")
-        self.pool = KVPool(
-            cfg.n_layers,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            pool_blocks(cfg, config, self.max_model_len, self.device, kv_dtype),
-            config.block_size,
-            kv_dtype,
-            self.device,
-        )
+        self.pool: KVPool
+        if cfg.mla is not None:  # multi-head latent attention: a latent pool and the absorbed-form runner
+            from lightning_llmopt.inference import mla_cache
+
+            mla_cache.check_mla_engine(config)
+            self.pool = mla_cache.latent_pool(cfg, config, self.max_model_len, self.device, kv_dtype)
+        else:
+            self.pool = KVPool(
+                cfg.n_layers,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                pool_blocks(cfg, config, self.max_model_len, self.device, kv_dtype),
+                config.block_size,
+                kv_dtype,
+                self.device,
+            )
         if kv_scales is not None:
             self.pool.set_scales(kv_scales)
         self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
@@ -114,7 +121,10 @@ class LLMEngine(EngineOutputs):
             config.admission,
         )
         startup.mark("runner")
-        self.runner = ModelRunner(model, self.pool, config.attention_backend, config.fused_kernels)
+        runner_cls = ModelRunner
+        if cfg.mla is not None:
+            runner_cls = mla_cache.MLARunner
+        self.runner = runner_cls(model, self.pool, config.attention_backend, config.fused_kernels)
         self.tuning_cache = attach_tuning_cache(config.tuning_cache, self.runner, self.device, startup)
         self.graphs = None
         spec_tokens = config.speculative.num_tokens if config.speculative is not None else 0

@@ -13,6 +13,7 @@ from lightning_llmopt.models.generate import greedy_generate
 from lightning_llmopt.models.hf import config_from_hf, config_to_hf, from_hf, to_hf
 from lightning_llmopt.models.kv_cache import KVCache, StaticKVCache
 from lightning_llmopt.models.llama import Llama, RMSNorm, TransformerBlock
+from lightning_llmopt.models.mla_config import MLAConfig
 from lightning_llmopt.models.moe_config import MoEConfig
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "KVCache",
     "Llama",
     "LlamaConfig",
+    "MLAConfig",
     "MoEConfig",
     "RMSNorm",
     "RopeScaling",

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_llmopt.models.mla_config import MLAConfig
 from lightning_llmopt.models.moe_config import MoEConfig
 
 ATTENTION_BACKENDS = ("sdpa", "eager")
@@ -78,6 +79,9 @@ class LlamaConfig:
             :func:`lightning_llmopt.optimize.optimize_model`).
         moe: Mixture-of-Experts feed-forward layers (:class:`~lightning_llmopt.models.moe_config.MoEConfig` or a
             dict of its fields); ``None`` keeps every block dense.
+        mla: multi-head latent attention (:class:`~lightning_llmopt.models.mla_config.MLAConfig` or a dict of its
+            fields) in every block instead of GQA; ``n_kv_heads`` and ``head_dim`` then play no part (see
+            ``docs/mla.md``).
     """
 
     vocab_size: int = 32000
@@ -100,6 +104,7 @@ class LlamaConfig:
     init_std: float = 0.02
     fused_kernels: list[str] = field(default_factory=list)
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +112,8 @@ class LlamaConfig:
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -136,6 +143,10 @@ class LlamaConfig:
         if self.init_std <= 0:
             raise ValueError(f"init_std ({self.init_std}) must be positive")
         _check_attn_backend(self.attn_backend)
+        if self.mla is not None and (self.sliding_window is not None or self.qkv_bias):
+            raise ValueError(
+                f"mla does not support sliding_window ({self.sliding_window}) or qkv_bias ({self.qkv_bias})"
+            )
         self.fused_kernels = _check_fused_kernels(self.fused_kernels)
 
     @property
@@ -143,6 +154,12 @@ class LlamaConfig:
         """Query heads per key/value head (the GQA group size)."""
         assert self.n_kv_heads is not None
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates per head: ``head_dim``, or ``mla.qk_rope_head_dim`` under MLA."""
+        assert self.head_dim is not None
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> LlamaConfig:

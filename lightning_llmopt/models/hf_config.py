@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from lightning_llmopt.models.config import LlamaConfig, RopeScaling
+from lightning_llmopt.models.hf_deepseek import DEEPSEEK_ARCHITECTURES, deepseek_config_from_hf, deepseek_config_to_hf
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    **DEEPSEEK_ARCHITECTURES,  # MLA models, translated by hf_deepseek
 }
 """Supported ``model_type`` values and the transformers class each is exported as."""
 
@@ -163,6 +165,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> tuple[LlamaConfig, str]:
     arch = cfg.get("model_type")
     if arch not in ARCHITECTURES:
         raise ValueError(f"model_type ({arch!r}) is not supported; supported: {sorted(ARCHITECTURES)}")
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return deepseek_config_from_hf(cfg, **overrides), arch
     _check_supported(cfg, arch)
     cfg = {**_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None or k == "sliding_window"}}
     n_heads = int(cfg["num_attention_heads"])
@@ -196,6 +200,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _check_arch(config: LlamaConfig, arch: str) -> None:
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch ({arch!r}) is not supported; supported: {sorted(ARCHITECTURES)}")
+    if (arch in DEEPSEEK_ARCHITECTURES) != (config.mla is not None):
+        raise ValueError(f"arch {arch!r} and mla ({config.mla}) disagree: DeepSeek architectures are the MLA models")
     if arch == "qwen2" and not config.qkv_bias:
         raise ValueError("arch 'qwen2' requires qkv_bias=True (Qwen2 always has q/k/v biases)")
     if arch != "qwen2" and config.qkv_bias:
@@ -216,6 +222,8 @@ def arch_of(config: LlamaConfig, model_type: str | None = None) -> str:
             return str(model_type)
         except ValueError:
             pass  # the model changed since (e.g. a window was added): export what it is now
+    if config.mla is not None:
+        return "deepseek_v2"
     if config.qkv_bias:
         return "qwen2"
     return "mistral" if config.sliding_window is not None else "llama"
@@ -230,6 +238,8 @@ def config_to_hf(config: LlamaConfig, arch: str = "llama", dtype: torch.dtype = 
         dtype: recorded as ``torch_dtype`` (4.x) and ``dtype`` (5.x): the dtype of the saved weights.
     """
     _check_arch(config, arch)
+    if arch in DEEPSEEK_ARCHITECTURES:
+        return deepseek_config_to_hf(config, arch, dtype)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,

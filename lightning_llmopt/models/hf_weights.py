@@ -40,6 +40,10 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 def key_map(config: LlamaConfig) -> dict[str, str]:
     """``{our name: HF name}`` for every parameter of a model with ``config`` (``output.weight`` included)."""
+    if config.mla is not None:
+        from lightning_llmopt.models.hf_deepseek import deepseek_key_map
+
+        return deepseek_key_map(config)
     per_layer = dict(_PER_LAYER)
     if config.qkv_bias:
         per_layer.update(_BIASES)
@@ -106,6 +110,10 @@ def state_dict_from_hf(hf_sd: Mapping[str, Tensor], config: LlamaConfig) -> dict
     sd = {ours_of[k]: v for k, v in hf.items()}
     if config.tie_embeddings:
         sd["output.weight"] = sd["tok_embeddings.weight"]
+    if config.mla is not None:  # DeepSeek: shapes checked, RoPE rows to our layout
+        from lightning_llmopt.models.hf_deepseek import deepseek_state_dict_from_hf
+
+        return deepseek_state_dict_from_hf(sd, config)
     _check_shapes(sd, config, names)
     return sd
 
@@ -125,5 +133,10 @@ def state_dict_to_hf(sd: Mapping[str, Tensor], config: LlamaConfig) -> dict[str,
     if unknown or missing:
         raise KeyError(f"state dict does not match the config: unknown keys {unknown[:20]}, "
                        f"missing keys {missing[:20]}")
-    _check_shapes(sd, config)
+    if config.mla is not None:  # DeepSeek: shapes checked, RoPE rows to its layout
+        from lightning_llmopt.models.hf_deepseek import deepseek_state_dict_to_hf
+
+        sd = deepseek_state_dict_to_hf(sd, config)
+    else:
+        _check_shapes(sd, config)
     return {names[k]: v for k, v in sd.items()}

@@ -51,8 +51,10 @@ class StaticKVCache:
     def for_model(cls, model: torch.nn.Module, batch_size: int, max_seq_len: int | None = None) -> StaticKVCache:
         cfg: Any = model.config
         param = next(model.parameters())
-        return cls(cfg.n_layers, batch_size, max_seq_len or cfg.max_seq_len, cfg.n_kv_heads, cfg.head_dim,
-                   dtype=param.dtype, device=param.device)
+        heads, width = (1, cfg.mla.latent_dim) if getattr(cfg, "mla", None) is not None else (cfg.n_kv_heads,
+                                                                                              cfg.head_dim)
+        return cls(cfg.n_layers, batch_size, max_seq_len or cfg.max_seq_len, heads, width, dtype=param.dtype,
+                   device=param.device)
 
     def update(self, layer_id: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if int(positions.max()) >= self.max_seq_len or int(positions.min()) < 0:

@@ -129,7 +129,13 @@ class TransformerBlock(nn.Module):
         super().__init__()
         assert config.ffn_hidden_dim is not None
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config, layer_id)
+        self.attention: nn.Module
+        if config.mla is not None:  # multi-head latent attention (DeepSeek-V2/V3)
+            from lightning_llmopt.models.mla import MLAttention
+
+            self.attention = MLAttention(config, layer_id)
+        else:
+            self.attention = Attention(config, layer_id)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward: nn.Module
         if config.moe is not None and config.moe.is_moe_layer(layer_id):
@@ -188,7 +194,7 @@ class Llama(nn.Module):
         self.rope: Tensor
         self.register_buffer(
             "rope",
-            rope_table(config.max_seq_len, config.head_dim, config.rope_theta, config.rope_scaling),
+            rope_table(config.max_seq_len, config.rope_dim, config.rope_theta, config.rope_scaling),
             persistent=False,
         )
         # Set to a fused linear + cross-entropy module by optimize_model(fused_ce=True); used by :meth:`loss`.
@@ -235,7 +241,7 @@ class Llama(nn.Module):
         device = device if device is not None else self.rope.device
         if torch.device(device).type == "meta":
             device = next((p.device for p in self.parameters() if not p.is_meta), torch.device("cpu"))
-        self.rope = rope_table(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device=device)
+        self.rope = rope_table(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, device=device)
 
     # ------------------------------------------------------------------ forward
     def hidden_states(
@@ -353,5 +359,6 @@ class Llama(nn.Module):
                 per_expert = (e.w1.numel() + e.w2.numel() + e.w3.numel()) // e.w1.shape[0]
                 n -= per_expert * (e.w1.shape[0] - ffn.config.top_k * e.w1.shape[0] / ffn.num_experts)
         ctx = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
-        attn = cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx
+        head = (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) / 2 if cfg.mla is not None else cfg.head_dim  # q.k, p.v
+        attn = cfg.n_layers * cfg.n_heads * head * ctx
         return (6 * n + 6 * attn) if training else (2 * n + 2 * attn)

@@ -277,6 +277,9 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
             f"{type(model).__name__} (transformers models: use tensor parallelism, or convert "
             "with lightning_llmopt.models.hf.from_hf)"
         )
+    mla = getattr(model.config, "mla", None)
+    if mla is not None:  # its attention modules are not Attention: they would silently stay unsharded
+        raise NotImplementedError(f"context parallelism does not support multi-head latent attention (mla = {mla})")
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 

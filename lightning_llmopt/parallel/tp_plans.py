@@ -154,6 +154,9 @@ def register_family(family: ModelFamily, *, first: bool = False) -> None:
 
 def find_family(model: nn.Module) -> ModelFamily:
     """The plan table for ``model``; ``ValueError`` naming the class and the known families otherwise."""
+    mla = getattr(getattr(model, "config", None), "mla", None)
+    if mla is not None:
+        raise ValueError(f"tensor parallelism has no plan for multi-head latent attention (config.mla = {mla})")
     for family in FAMILIES:
         if family.matches(model):
             return family
