@@ -37,6 +37,7 @@ from lightning_llmopt.inference.sampling import SamplingParams, sample_batch
 from lightning_llmopt.inference.scheduler import Schedule, Scheduler, Work
 from lightning_llmopt.inference.spec_chain import capture_rounds, speculative_rounds
 from lightning_llmopt.inference.stats import EngineStats
+from lightning_llmopt.models.layer_pattern import kv_producers, kv_window
 from lightning_llmopt.models.llama import Llama
 
 if TYPE_CHECKING:
@@ -79,8 +80,10 @@ class LLMEngine(EngineOutputs):
         self.max_model_len = min(config.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         assert cfg.n_kv_heads is not None and cfg.head_dim is not None
         kv_dtype = torch.int8 if config.kv_dtype == "int8" else self.dtype
+        if cfg.kv_sources is not None and kv_dtype == torch.int8:
+            raise ValueError("kv_dtype='int8' is not supported with kv_sources (cross-layer KV sharing) yet")
         self.pool = KVPool(
-            cfg.n_layers,
+            len(kv_producers(cfg)),  # cross-layer KV sharing: only the layers that compute K/V are cached
             cfg.n_kv_heads,
             cfg.head_dim,
             pool_blocks(cfg, config, self.max_model_len, self.device, kv_dtype),
@@ -101,7 +104,7 @@ class LLMEngine(EngineOutputs):
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.policy,
-            cfg.sliding_window,
+            kv_window(cfg),  # blocks older than every layer's window are released
             config.admission,
         )
         self.runner = ModelRunner(model, self.pool, config.attention_backend, config.fused_kernels)

@@ -78,6 +78,11 @@ class LlamaConfig:
             :func:`lightning_llmopt.optimize.optimize_model`).
         moe: Mixture-of-Experts feed-forward layers (:class:`~lightning_llmopt.models.moe_config.MoEConfig` or a
             dict of its fields); ``None`` keeps every block dense.
+        layer_types: optional per-layer attention kinds, ``"global"``, ``"local"`` (window ``sliding_window``) or
+            ``"local:<w>"``; ``None``: every layer uses ``sliding_window`` (see
+            :mod:`~lightning_llmopt.models.layer_pattern`).
+        kv_sources: optional per-layer index of the layer whose keys/values it attends over (cross-layer KV
+            sharing); ``kv_sources[i] == i`` for layers that compute their own.
     """
 
     vocab_size: int = 32000
@@ -100,6 +105,8 @@ class LlamaConfig:
     init_std: float = 0.02
     fused_kernels: list[str] = field(default_factory=list)
     moe: MoEConfig | None = None
+    layer_types: list[str] | None = None
+    kv_sources: list[int] | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +143,9 @@ class LlamaConfig:
         if self.init_std <= 0:
             raise ValueError(f"init_std ({self.init_std}) must be positive")
         _check_attn_backend(self.attn_backend)
+        from lightning_llmopt.models.layer_pattern import normalize_layer_pattern
+
+        normalize_layer_pattern(self)
         self.fused_kernels = _check_fused_kernels(self.fused_kernels)
 
     @property
@@ -143,6 +153,16 @@ class LlamaConfig:
         """Query heads per key/value head (the GQA group size)."""
         assert self.n_kv_heads is not None
         return self.n_heads // self.n_kv_heads
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """Sliding window of layer ``layer_id`` (``None``: global attention)."""
+        from lightning_llmopt.models.layer_pattern import layer_windows
+
+        return layer_windows(self)[layer_id]
+
+    def kv_source(self, layer_id: int) -> int:
+        """The layer whose keys/values layer ``layer_id`` attends over (itself unless K/V are shared)."""
+        return layer_id if self.kv_sources is None else self.kv_sources[layer_id]
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> LlamaConfig:
