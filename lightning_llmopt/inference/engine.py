@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_llmopt.inference.block_manager import BlockManager
 from lightning_llmopt.inference.config import EngineConfig
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, graph_sizes, step_logits
 from lightning_llmopt.inference.engine_outputs import EngineOutputs
 from lightning_llmopt.inference.inputs import Prompt, encode_prompt, prepare_batch, validate_prompt
-from lightning_llmopt.inference.kv_pool import KVPool, KVScales, pool_blocks
+from lightning_llmopt.inference.kv_groups import GroupedPool, make_kv
+from lightning_llmopt.inference.kv_pool import KVScales
 from lightning_llmopt.inference.multi_step import greedy_steps, steps_for
 from lightning_llmopt.inference.prefix_cache import RadixCache
 from lightning_llmopt.inference.quant import calibrate_kv_scales
@@ -37,7 +37,7 @@ from lightning_llmopt.inference.sampling import SamplingParams, sample_batch
 from lightning_llmopt.inference.scheduler import Schedule, Scheduler, Work
 from lightning_llmopt.inference.spec_chain import capture_rounds, speculative_rounds
 from lightning_llmopt.inference.stats import EngineStats
-from lightning_llmopt.models.layer_pattern import kv_producers, kv_window
+from lightning_llmopt.models.layer_pattern import kv_window
 from lightning_llmopt.models.llama import Llama
 
 if TYPE_CHECKING:
@@ -82,21 +82,17 @@ class LLMEngine(EngineOutputs):
         kv_dtype = torch.int8 if config.kv_dtype == "int8" else self.dtype
         if cfg.kv_sources is not None and kv_dtype == torch.int8:
             raise ValueError("kv_dtype='int8' is not supported with kv_sources (cross-layer KV sharing) yet")
-        self.pool = KVPool(
-            len(kv_producers(cfg)),  # cross-layer KV sharing: only the layers that compute K/V are cached
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            pool_blocks(cfg, config, self.max_model_len, self.device, kv_dtype),
-            config.block_size,
-            kv_dtype,
-            self.device,
-        )
+        # the layers that compute K/V only (cross-layer KV sharing); a pool per window when local and global mix
+        self.pool, self.blocks = make_kv(cfg, config, self.max_model_len, self.device, kv_dtype)
+        grouped = isinstance(self.pool, GroupedPool)
+        if grouped and config.speculative is not None:
+            raise ValueError("speculative decoding is not supported with layer patterns mixing local and global layers")
         if kv_scales is not None:
-            self.pool.set_scales(kv_scales)
-        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
-        self.prefix_cache = (
-            RadixCache(self.blocks.allocator, config.block_size) if config.enable_prefix_caching else None
-        )
+            self.pool.set_scales(kv_scales)  # type: ignore[union-attr]
+        self.prefix_cache: RadixCache | None = None
+        if config.enable_prefix_caching:  # KV groups: a cache that keeps the local groups' companion blocks too
+            make = getattr(self.blocks, "new_prefix_cache", None)
+            self.prefix_cache = make() if make is not None else RadixCache(self.blocks.allocator, config.block_size)
         self.blocks.prefix_cache = self.prefix_cache
         self.scheduler = Scheduler(
             self.blocks,
@@ -111,7 +107,7 @@ class LLMEngine(EngineOutputs):
         self.graphs = None
         spec_tokens = config.speculative.num_tokens if config.speculative is not None else 0
         sizes = graph_sizes(config.graph_batch_sizes, config.max_num_seqs, spec_tokens)
-        if config.cuda_graphs and self.device.type == "cuda" and sizes:
+        if config.cuda_graphs and self.device.type == "cuda" and sizes and not grouped:  # graphs: one pool only
             width = self.blocks.blocks_for(self.max_model_len)
             self.graphs = DecodeGraphs(self.runner, sizes, width, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

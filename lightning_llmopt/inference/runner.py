@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_llmopt.inference.kv_groups import GroupedPool, group_inputs
 from lightning_llmopt.inference.kv_pool import KVPool
 from lightning_llmopt.inference.scheduler import Work
 from lightning_llmopt.inference.step_inputs import StepInputs
@@ -113,6 +114,7 @@ class ModelRunner:
             fused = self.device.type == "cuda" and triton_available() and backend != "reference"
             fused = fused and getattr(self.cfg, "moe", None) is None  # the fused path knows dense SwiGLU blocks only
             fused = fused and self.cfg.kv_sources is None  # and layers that compute their own K/V
+            fused = fused and not isinstance(pool, GroupedPool)  # and one pool
         self.fused = fused
         self.linear = None
         if fused:
@@ -170,7 +172,16 @@ class ModelRunner:
         )
         if pre:
             self._segments(pre, inp)
+        if isinstance(self.pool, GroupedPool):  # KV groups: each group's blocks for the same rows
+            inp.groups = [inp] + [group_inputs(self, work, inp, g) for g in range(1, len(self.pool.pools))]
         return inp
+
+    def _inputs_for(self, inp: StepInputs, layer: int) -> StepInputs:
+        """The step's inputs with the block fields of ``layer``'s KV group."""
+        if inp.groups is None:
+            return inp
+        assert isinstance(self.pool, GroupedPool)
+        return inp.groups[self.pool.group_of(self.slot[layer])]
 
     def prepare_rows(self, work: list[Work]) -> StepInputs:
         """Pack ``work`` (any order) as decode rows only (:func:`decode_rows`): paged attention for every token,
@@ -263,7 +274,8 @@ class ModelRunner:
             k = attn.wk(x).view(N, -1, D)  # (N, H_kv, D)
             v = attn.wv(x).view(N, -1, D)
             k = apply_rope(k.transpose(0, 1)[None], self.model.rope, inp.positions[None])[0].transpose(0, 1)
-            self.pool.write(self.slot[i], k, v, inp.blocks, inp.slots)
+            ginp = self._inputs_for(inp, i)
+            self.pool.write(self.slot[i], k, v, ginp.blocks, ginp.slots)
             step_kv[i] = (k, v)
         else:  # a layer reading another layer's K/V: nothing to compute or store
             k, v = step_kv[src]
@@ -278,6 +290,7 @@ class ModelRunner:
 
         ``layer`` is the model's layer: it reads its K/V source's pool slot, with its own window."""
         window = self.windows[layer]
+        inp = self._inputs_for(inp, layer)
         layer = self.slot[layer]
         kc, vc = self.pool.layer(layer)
         ks, vs = self.pool.layer_scales(layer)
