@@ -4,9 +4,9 @@
     python examples/layer_patterns.py --table         # only the KV-cache bytes table of docs/layer_patterns.md
 
 The model is Gemma-3-like (five local layers with a window of 16 keys, then a global one) with cross-layer KV
-sharing in the first four (layers 1 and 3 read the keys/values of layers 0 and 2). It trains a few steps, then the engine serves it: its
-greedy tokens are checked against full recompute through the model, and its pool against the formula (global
-producers: every block; local producers: the window only).
+sharing in the first four (layers 1 and 3 read the keys/values of layers 0 and 2). It trains a few steps, then the
+engine serves it: its greedy tokens are checked against full recompute through the model, and its pools are
+printed (global producers: every block; local producers: their window only).
 """
 
 from __future__ import annotations
