@@ -187,6 +187,8 @@ class ModelRunner:
         """Pack ``work`` (any order) as decode rows only (:func:`decode_rows`): paged attention for every token,
         logits for every row. The layout :class:`~lightning_llmopt.inference.cuda_graphs.DecodeGraphs` replays;
         eager here for checks on any device."""
+        if isinstance(self.pool, GroupedPool):
+            raise NotImplementedError("decode rows (CUDA graphs, speculative decoding) do not support KV groups yet")
         rows, tables = decode_rows(work, self.block_size)
         n = rows.shape[1]
         width = max((len(t) for t in tables), default=1)
