@@ -86,7 +86,7 @@ class LLMEngine(EngineOutputs):
         self.pool, self.blocks = make_kv(cfg, config, self.max_model_len, self.device, kv_dtype)
         grouped = isinstance(self.pool, GroupedPool)
         if grouped and config.speculative is not None:
-            raise ValueError("speculative decoding is not supported with layer patterns mixing local and global layers")
+            raise ValueError("speculative decoding is not supported with KV groups (producers with different windows)")
         if kv_scales is not None:
             self.pool.set_scales(kv_scales)  # type: ignore[union-attr]
         self.prefix_cache: RadixCache | None = None

@@ -1,12 +1,13 @@
 """KV groups: a pool and block tables per attention window, so local layers keep only their window.
 
 A model whose K/V-producing layers mix global and local (sliding-window) attention cannot release blocks out of one
-table: the global layers need every position. Its cache is split into *groups* (after vLLM's hybrid KV-cache
-manager): group 0 holds the global producers, each further group the local producers of one window. Every group
-has its own :class:`~lightning_llmopt.inference.kv_pool.KVPool` and block allocator, and a sequence one block table
-per group: ``seq.block_table`` (group 0, which the scheduler, the prefix cache and the rest of the engine see as
-before) and ``seq.group_tables[g - 1]``, aligned with it (logical block ``j`` of every table covers the same
-positions).
+table: the global layers need every position (and local layers of several windows would all keep the widest). Its
+cache is split into *groups* (after vLLM's hybrid KV-cache manager): group 0 holds the global producers (all local:
+those of the widest window, released by the scheduler past it), each further group the local producers of one
+window. Every group has its own :class:`~lightning_llmopt.inference.kv_pool.KVPool` and block allocator, and a
+sequence one block table per group: ``seq.block_table`` (group 0, which the scheduler, the prefix cache and the rest
+of the engine see as before) and ``seq.group_tables[g - 1]``, aligned with it (logical block ``j`` of every table
+covers the same positions).
 
 A local group's entries are released once every position in the block is older than the window of the next token
 to compute (at the start of each :meth:`GroupedBlockManager.ensure`), so a sequence holds at most
@@ -46,15 +47,18 @@ class KVGroup:
 
 
 def kv_groups(config: Any) -> list[KVGroup]:
-    """Group 0: the global producers; then one group per distinct local window (ascending). A single group when
-    the producers do not mix global and local layers (the engine's plain pool)."""
+    """Group 0: the global producers (all local: those of the widest window, which the scheduler releases past it);
+    then one group per other local window (ascending). A single group when every producer has one window (the
+    engine's plain pool)."""
     windows = layer_windows(config)
     producers = kv_producers(config)
     glob = [i for i in producers if windows[i] is None]
-    local = sorted({windows[i] for i in producers if windows[i] is not None})  # type: ignore[type-var]
-    if not glob or not local:
-        return [KVGroup(None if glob else (max(local) if local else None), producers)]  # type: ignore[type-var]
-    return [KVGroup(None, glob)] + [KVGroup(w, [i for i in producers if windows[i] == w]) for w in local]
+    local: list[int] = sorted({w for i in producers if (w := windows[i]) is not None})
+    if not local or (not glob and len(local) == 1):
+        return [KVGroup(windows[producers[0]], producers)]
+    head = KVGroup(None, glob) if glob else KVGroup(local[-1], [i for i in producers if windows[i] == local[-1]])
+    rest = local if glob else local[:-1]
+    return [head] + [KVGroup(w, [i for i in producers if windows[i] == w]) for w in rest]
 
 
 def group_blocks(
@@ -102,7 +106,7 @@ class GroupedPool(KVPool):
         pass
 
     def set_scales(self, scales: Any) -> None:
-        raise ValueError("int8 KV scales are not supported with layer patterns mixing local and global layers")
+        raise ValueError("int8 KV scales are not supported with KV groups (producers with different windows)")
 
     def layer(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         g, i = self.where[slot]
@@ -371,7 +375,7 @@ def make_kv(
         pool = KVPool(len(groups[0].layers), *shape, num_blocks, config.block_size, kv_dtype, device)
         return pool, BlockManager(num_blocks, config.block_size)
     if kv_dtype == torch.int8:
-        raise ValueError("kv_dtype='int8' is not supported with layer patterns mixing local and global layers yet")
+        raise ValueError("kv_dtype='int8' is not supported with KV groups (producers with different windows) yet")
     windows = [g.window for g in groups[1:] if g.window is not None]
     sizes = [
         group_blocks(

@@ -63,9 +63,11 @@ def test_all_local_releases_past_widest_window(model_factory, reference, prompts
     ids = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in prompts]
     chunk = 8
     limit = math.ceil((6 - 1 + chunk) / bs) + 1  # the widest window plus the chunk being written, unaligned
+    assert [g.window for g in engine.pool.groups] == [6, 3]  # the window-3 layer has a group of its own
     while engine.has_unfinished():
         engine.step()
         for seq in engine.scheduler.running:
             assert len([b for b in seq.block_table if b != 0]) <= limit
+            assert len([b for b in seq.group_tables[0] if b != 0]) <= math.ceil((3 - 1 + chunk) / bs) + 1
     for rid, p in zip(ids, prompts, strict=True):
         assert engine.result(rid).token_ids == reference(model, p, 20)
