@@ -294,6 +294,10 @@ class GroupedBlockManager(BlockManager):
             for b in table:
                 if b != NULL_BLOCK:
                     self.locals[g].incref(b)
+            held = self.cache_held[g]
+            for b in blocks:  # a hit refreshes the cache's companions: the oldest dropped first are the least used
+                if b in held:
+                    held[b] = held.pop(b)
 
     def usable_hit(self, seq: HasBlockTable, n: int) -> int:
         """Tokens of a hit of ``n`` tokens (just adopted) whose local keys are all present; releases the rest."""
