@@ -173,6 +173,10 @@ class BlockManager:
             raise RuntimeError("adopt into a sequence that already holds blocks")
         seq.block_table = list(blocks)
 
+    def usable_hit(self, seq: HasBlockTable, num_tokens: int) -> int:
+        """Tokens of a just-adopted prefix hit the sequence may use (all of them here; KV groups may cut it)."""
+        return num_tokens
+
     def free(self, seq: HasBlockTable) -> None:
         """Return every block of ``seq``; its table is emptied and nothing is computed any more."""
         for b in seq.block_table:

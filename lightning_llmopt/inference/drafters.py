@@ -35,6 +35,7 @@ from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.runner import ModelRunner, decode_rows, to_device
 from lightning_llmopt.inference.sampling import SamplingParams, _filter
 from lightning_llmopt.inference.scheduler import Work
+from lightning_llmopt.models.layer_pattern import kv_producers
 from lightning_llmopt.models.llama import Llama
 
 __all__ = [
@@ -188,7 +189,8 @@ class ModelDrafter:
         self.model = model.eval()
         device = model.tok_embeddings.weight.device if model.tok_embeddings is not None else torch.device("cpu")
         dtype = model.tok_embeddings.weight.dtype if model.tok_embeddings is not None else torch.float32
-        self.pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device)
+        n_cached = len(kv_producers(cfg))  # cross-layer KV sharing: producers only
+        self.pool = KVPool(n_cached, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.runner = ModelRunner(model, self.pool, backend, fused=None)
         self.state: dict[int, _DraftSeq] = {}

@@ -26,7 +26,8 @@ from lightning_llmopt.inference.config import EngineConfig
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, graph_sizes, step_logits
 from lightning_llmopt.inference.engine_outputs import EngineOutputs
 from lightning_llmopt.inference.inputs import Prompt, encode_prompt, prepare_batch, validate_prompt
-from lightning_llmopt.inference.kv_pool import KVPool, KVScales, pool_blocks
+from lightning_llmopt.inference.kv_groups import GroupedPool, make_kv
+from lightning_llmopt.inference.kv_pool import KVPool, KVScales
 from lightning_llmopt.inference.multi_step import greedy_steps, steps_for
 from lightning_llmopt.inference.prefix_cache import RadixCache
 from lightning_llmopt.inference.quant import calibrate_kv_scales
@@ -39,6 +40,7 @@ from lightning_llmopt.inference.spec_chain import capture_rounds, speculative_ro
 from lightning_llmopt.inference.startup import StartupLog, watch_triton
 from lightning_llmopt.inference.stats import EngineStats
 from lightning_llmopt.inference.tuning_cache import attach as attach_tuning_cache
+from lightning_llmopt.models.layer_pattern import kv_window
 from lightning_llmopt.models.llama import Llama
 
 if TYPE_CHECKING:
@@ -88,28 +90,27 @@ class LLMEngine(EngineOutputs):
         if self.device.type == "cuda":
             watch_triton(startup)
         startup.mark("kv pool")
-        self.pool: KVPool
+        if cfg.kv_sources is not None and kv_dtype == torch.int8:
+            raise ValueError("kv_dtype='int8' is not supported with kv_sources (cross-layer KV sharing) yet")
+        self.pool: KVPool | GroupedPool
         if cfg.mla is not None:  # multi-head latent attention: a latent pool and the absorbed-form runner
             from lightning_llmopt.inference import mla_cache
 
             mla_cache.check_mla_engine(config)
             self.pool = mla_cache.latent_pool(cfg, config, self.max_model_len, self.device, kv_dtype)
+            self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
         else:
-            self.pool = KVPool(
-                cfg.n_layers,
-                cfg.n_kv_heads,
-                cfg.head_dim,
-                pool_blocks(cfg, config, self.max_model_len, self.device, kv_dtype),
-                config.block_size,
-                kv_dtype,
-                self.device,
-            )
+            # the layers that compute K/V only (cross-layer KV sharing); a pool per window when local and global mix
+            self.pool, self.blocks = make_kv(cfg, config, self.max_model_len, self.device, kv_dtype)
+        grouped = isinstance(self.pool, GroupedPool)
+        if grouped and config.speculative is not None:
+            raise ValueError("speculative decoding is not supported with KV groups (producers with different windows)")
         if kv_scales is not None:
-            self.pool.set_scales(kv_scales)
-        self.blocks = BlockManager(self.pool.num_blocks, config.block_size)
-        self.prefix_cache = (
-            RadixCache(self.blocks.allocator, config.block_size) if config.enable_prefix_caching else None
-        )
+            self.pool.set_scales(kv_scales)  # type: ignore[union-attr]
+        self.prefix_cache: RadixCache | None = None
+        if config.enable_prefix_caching:  # KV groups: a cache that keeps the local groups' companion blocks too
+            make = getattr(self.blocks, "new_prefix_cache", None)
+            self.prefix_cache = make() if make is not None else RadixCache(self.blocks.allocator, config.block_size)
         self.blocks.prefix_cache = self.prefix_cache
         self.scheduler = Scheduler(
             self.blocks,
@@ -117,7 +118,7 @@ class LLMEngine(EngineOutputs):
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.policy,
-            cfg.sliding_window,
+            kv_window(cfg),  # blocks older than every layer's window are released
             config.admission,
         )
         startup.mark("runner")
@@ -129,7 +130,7 @@ class LLMEngine(EngineOutputs):
         self.graphs = None
         spec_tokens = config.speculative.num_tokens if config.speculative is not None else 0
         sizes = graph_sizes(config.graph_batch_sizes, config.max_num_seqs, spec_tokens)
-        if config.cuda_graphs and self.device.type == "cuda" and sizes:
+        if config.cuda_graphs and self.device.type == "cuda" and sizes and not grouped:  # graphs: one pool only
             width = self.blocks.blocks_for(self.max_model_len)
             self.graphs = DecodeGraphs(self.runner, sizes, width, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

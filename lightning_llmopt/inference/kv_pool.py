@@ -78,7 +78,10 @@ def pool_blocks(model_cfg: Any, config: Any, max_model_len: int, device: torch.d
         return config.num_blocks
     if device.type != "cuda":
         return min(useful, 4096)
-    per = block_bytes(model_cfg.n_layers, model_cfg.n_kv_heads, model_cfg.head_dim, config.block_size, kv_dtype)
+    from lightning_llmopt.models.layer_pattern import kv_producers
+
+    n_cached = len(kv_producers(model_cfg))  # cross-layer KV sharing: producers only
+    per = block_bytes(n_cached, model_cfg.n_kv_heads, model_cfg.head_dim, config.block_size, kv_dtype)
     fitting = blocks_from_free_memory(device, per, config.gpu_memory_fraction, int(config.reserve_gib * 2**30))
     return min(fitting, useful)
 

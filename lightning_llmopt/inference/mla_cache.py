@@ -136,7 +136,16 @@ class MLARunner(ModelRunner):
             raise ValueError("fused_kernels=True is not supported with MLA models (the fused decode is GQA-only)")
         super().__init__(model, pool, backend, fused=False)
 
-    def _block(self, i: int, block: Any, h: Tensor, inp: StepInputs, max_context: int | None) -> Tensor:
+    def _block(
+        self,
+        i: int,
+        block: Any,
+        h: Tensor,
+        inp: StepInputs,
+        max_context: int | None,
+        step_kv: dict[int, tuple[Tensor, Tensor]] | None = None,
+    ) -> Tensor:
+        """One block on the packed step; ``step_kv`` (cross-layer KV sharing) is unused: MLA refuses ``kv_sources``."""
         attn = block.attention
         x = block.attention_norm(h)[None]  # (1, N, dim): the packed step as one row
         pos = inp.positions[None]

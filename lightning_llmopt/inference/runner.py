@@ -19,11 +19,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_llmopt.inference.kv_groups import GroupedPool, group_inputs
 from lightning_llmopt.inference.kv_pool import KVPool
 from lightning_llmopt.inference.scheduler import Work
 from lightning_llmopt.inference.step_inputs import StepInputs
 from lightning_llmopt.kernels.flash_attention import flash_attention
 from lightning_llmopt.kernels.paged_attention import paged_attention
+from lightning_llmopt.models.layer_pattern import kv_producers, kv_window, layer_windows
 from lightning_llmopt.models.llama import Llama
 from lightning_llmopt.models.rope import apply_rope
 
@@ -98,12 +100,21 @@ class ModelRunner:
         self.device = pool.device
         self.dtype = model.tok_embeddings.weight.dtype
         self.backend = backend
-        self.window = self.cfg.sliding_window
+        # Layer patterns: each layer's own window; prefill context reaches back as far as the widest needs.
+        self.windows = layer_windows(self.cfg)
+        self.window = kv_window(self.cfg)
+        # Cross-layer KV sharing: the pool holds producers only; layer i reads pool layer slot[kv_source(i)].
+        producers = kv_producers(self.cfg)
+        self.slot = [producers.index(self.cfg.kv_source(i)) for i in range(self.cfg.n_layers)]
+        if pool.n_layers != len(producers):
+            raise ValueError(f"the pool holds {pool.n_layers} layers, the model produces K/V in {len(producers)}")
         if fused is None:
             from lightning_llmopt.testing.triton import triton_available
 
             fused = self.device.type == "cuda" and triton_available() and backend != "reference"
             fused = fused and getattr(self.cfg, "moe", None) is None  # the fused path knows dense SwiGLU blocks only
+            fused = fused and self.cfg.kv_sources is None  # and layers that compute their own K/V
+            fused = fused and not isinstance(pool, GroupedPool)  # and one pool
         self.fused = fused
         self.linear = None
         if fused:
@@ -161,12 +172,23 @@ class ModelRunner:
         )
         if pre:
             self._segments(pre, inp)
+        if isinstance(self.pool, GroupedPool):  # KV groups: each group's blocks for the same rows
+            inp.groups = [inp] + [group_inputs(self, work, inp, g) for g in range(1, len(self.pool.pools))]
         return inp
+
+    def _inputs_for(self, inp: StepInputs, layer: int) -> StepInputs:
+        """The step's inputs with the block fields of ``layer``'s KV group."""
+        if inp.groups is None:
+            return inp
+        assert isinstance(self.pool, GroupedPool)
+        return inp.groups[self.pool.group_of(self.slot[layer])]
 
     def prepare_rows(self, work: list[Work]) -> StepInputs:
         """Pack ``work`` (any order) as decode rows only (:func:`decode_rows`): paged attention for every token,
         logits for every row. The layout :class:`~lightning_llmopt.inference.cuda_graphs.DecodeGraphs` replays;
         eager here for checks on any device."""
+        if isinstance(self.pool, GroupedPool):
+            raise NotImplementedError("decode rows (CUDA graphs, speculative decoding) do not support KV groups yet")
         rows, tables = decode_rows(work, self.block_size)
         n = rows.shape[1]
         width = max((len(t) for t in tables), default=1)
@@ -228,22 +250,37 @@ class ModelRunner:
             return self.linear(h, model.output).float()
         else:
             h = model.tok_embeddings(inp.input_ids)  # (N, dim)
+            step_kv: dict[int, tuple[Tensor, Tensor]] = {}  # this step's K/V of each producer (shared K/V)
             for i, block in enumerate(model.layers.values()):
-                h = self._block(i, block, h, inp, max_context)
+                h = self._block(i, block, h, inp, max_context, step_kv)
             h = model.norm(h[inp.logits_idx])
         return model.output(h).float()
 
-    def _block(self, i: int, block: Any, h: Tensor, inp: StepInputs, max_context: int | None) -> Tensor:
+    def _block(
+        self,
+        i: int,
+        block: Any,
+        h: Tensor,
+        inp: StepInputs,
+        max_context: int | None,
+        step_kv: dict[int, tuple[Tensor, Tensor]],
+    ) -> Tensor:
         attn = block.attention
         x = block.attention_norm(h)
         N = x.shape[0]
         D = attn.head_dim
         q = attn.wq(x).view(N, -1, D)  # (N, H, D)
-        k = attn.wk(x).view(N, -1, D)  # (N, H_kv, D)
-        v = attn.wv(x).view(N, -1, D)
         q = apply_rope(q.transpose(0, 1)[None], self.model.rope, inp.positions[None])[0].transpose(0, 1)
-        k = apply_rope(k.transpose(0, 1)[None], self.model.rope, inp.positions[None])[0].transpose(0, 1)
-        self.pool.write(i, k, v, inp.blocks, inp.slots)
+        src = self.cfg.kv_source(i)
+        if src == i:
+            k = attn.wk(x).view(N, -1, D)  # (N, H_kv, D)
+            v = attn.wv(x).view(N, -1, D)
+            k = apply_rope(k.transpose(0, 1)[None], self.model.rope, inp.positions[None])[0].transpose(0, 1)
+            ginp = self._inputs_for(inp, i)
+            self.pool.write(self.slot[i], k, v, ginp.blocks, ginp.slots)
+            step_kv[i] = (k, v)
+        else:  # a layer reading another layer's K/V: nothing to compute or store
+            k, v = step_kv[src]
         o = self.attention(i, q, k, v, inp, max_context)
         h = h + attn.wo(o.reshape(N, -1))
         return h + block.feed_forward(block.ffn_norm(h))
@@ -251,7 +288,12 @@ class ModelRunner:
     def attention(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, inp: StepInputs, max_context: int | None = None
     ) -> Tensor:
-        """Attention of the packed step: q ``(N, H, D)``, the step's own k/v ``(N, H_kv, D)`` -> ``(N, H, D)``."""
+        """Attention of the packed step: q ``(N, H, D)``, the step's own k/v ``(N, H_kv, D)`` -> ``(N, H, D)``.
+
+        ``layer`` is the model's layer: it reads its K/V source's pool slot, with its own window."""
+        window = self.windows[layer]
+        inp = self._inputs_for(inp, layer)
+        layer = self.slot[layer]
         kc, vc = self.pool.layer(layer)
         ks, vs = self.pool.layer_scales(layer)
         nd = inp.num_decode
@@ -262,7 +304,7 @@ class ModelRunner:
                 vc,
                 inp.dec_tables,
                 inp.dec_ctx,
-                window=self.window,
+                window=window,
                 k_scale=ks,
                 v_scale=vs,
                 max_context=max_context or inp.dec_max_ctx,
@@ -276,7 +318,7 @@ class ModelRunner:
                 vc,
                 inp.dec_tables,
                 inp.dec_ctx,
-                window=self.window,
+                window=window,
                 k_scale=ks,
                 v_scale=vs,
                 max_context=max_context or inp.dec_max_ctx,
@@ -303,7 +345,7 @@ class ModelRunner:
             kk,
             vv,
             causal=True,
-            window=self.window,
+            window=window,
             cu_seqlens=inp.seg_cu,
             max_seqlen=inp.seg_max,
             backend=None if self.backend == "auto" else self.backend,

@@ -240,7 +240,7 @@ class Scheduler:
             return
         blocks, n = self.cache.match(seq.tokens, max_tokens=len(seq.tokens) - 1)
         self.blocks.adopt(seq, blocks)
-        seq.num_computed = n
+        seq.num_computed = n = self.blocks.usable_hit(seq, n)
         if seq.request.metrics.first_token_time is None and seq.index == 0 and not seq.request.metrics.preemptions:
             seq.cached_tokens = n
             seq.request.metrics.cached_tokens = n

@@ -37,3 +37,6 @@ class StepInputs:
     seg_ctx: Tensor | None = None  # (C,) segment row of each context key
     ctx_blocks: Tensor | None = None  # (C,) block of each context key
     ctx_slots: Tensor | None = None  # (C,) slot of each context key
+    # KV groups (producers with different windows): the same step with each group's block fields,
+    # group 0 first (:func:`~lightning_llmopt.inference.kv_groups.group_inputs`); None with one pool.
+    groups: list[StepInputs] | None = None

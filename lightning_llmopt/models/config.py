@@ -82,6 +82,11 @@ class LlamaConfig:
         mla: multi-head latent attention (:class:`~lightning_llmopt.models.mla_config.MLAConfig` or a dict of its
             fields) in every block instead of GQA; ``n_kv_heads`` and ``head_dim`` then play no part (see
             ``docs/mla.md``).
+        layer_types: optional per-layer attention kinds, ``"global"``, ``"local"`` (window ``sliding_window``) or
+            ``"local:<w>"``; ``None``: every layer uses ``sliding_window`` (see
+            :mod:`~lightning_llmopt.models.layer_pattern`).
+        kv_sources: optional per-layer index of the layer whose keys/values it attends over (cross-layer KV
+            sharing); ``kv_sources[i] == i`` for layers that compute their own.
     """
 
     vocab_size: int = 32000
@@ -105,6 +110,8 @@ class LlamaConfig:
     fused_kernels: list[str] = field(default_factory=list)
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    layer_types: list[str] | None = None
+    kv_sources: list[int] | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -147,6 +154,13 @@ class LlamaConfig:
             raise ValueError(
                 f"mla does not support sliding_window ({self.sliding_window}) or qkv_bias ({self.qkv_bias})"
             )
+        if self.mla is not None and (self.layer_types is not None or self.kv_sources is not None):
+            raise ValueError(
+                f"mla does not support layer_types ({self.layer_types}) or kv_sources ({self.kv_sources})"
+            )
+        from lightning_llmopt.models.layer_pattern import normalize_layer_pattern
+
+        normalize_layer_pattern(self)
         self.fused_kernels = _check_fused_kernels(self.fused_kernels)
 
     @property
@@ -160,6 +174,16 @@ class LlamaConfig:
         """Channels RoPE rotates per head: ``head_dim``, or ``mla.qk_rope_head_dim`` under MLA."""
         assert self.head_dim is not None
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """Sliding window of layer ``layer_id`` (``None``: global attention)."""
+        from lightning_llmopt.models.layer_pattern import layer_windows
+
+        return layer_windows(self)[layer_id]
+
+    def kv_source(self, layer_id: int) -> int:
+        """The layer whose keys/values layer ``layer_id`` attends over (itself unless K/V are shared)."""
+        return layer_id if self.kv_sources is None else self.kv_sources[layer_id]
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> LlamaConfig:

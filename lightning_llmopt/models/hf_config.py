@@ -17,6 +17,7 @@ import torch
 
 from lightning_llmopt.models.config import LlamaConfig, RopeScaling
 from lightning_llmopt.models.hf_deepseek import DEEPSEEK_ARCHITECTURES, deepseek_config_from_hf, deepseek_config_to_hf
+from lightning_llmopt.models.hf_patterns import check_mapped, pattern_from_hf, pattern_to_hf
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -111,31 +112,6 @@ def _rope_to_hf(config: LlamaConfig) -> dict[str, Any]:
     return {"rope_theta": config.rope_theta, "rope_scaling": legacy, "rope_parameters": params}
 
 
-def _sliding_window_from_hf(cfg: Mapping[str, Any], arch: str, n_layers: int) -> int | None:
-    """The window applied to every layer, or ``None``; partial (per-layer) windows are refused."""
-    if arch == "llama":
-        return None  # transformers' Llama ignores any sliding_window key
-    window = cfg.get("sliding_window", _DEFAULTS[arch].get("sliding_window"))
-    if arch == "mistral" or window is None:
-        return None if window is None else int(window)
-    # qwen2: the window applies to the layers named "sliding_attention" (5.x), else to layers >= max_window_layers.
-    layer_types = cfg.get("layer_types")
-    if not cfg.get("use_sliding_window", False):
-        return None
-    if layer_types is None:
-        first = int(cfg.get("max_window_layers", _DEFAULTS["qwen2"]["max_window_layers"]))
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    sliding = [t == "sliding_attention" for t in layer_types]
-    if all(sliding):
-        return int(window)
-    if not any(sliding):
-        return None
-    raise NotImplementedError(
-        f"sliding window ({window}) on only some layers (layer_types={list(layer_types)}, max_window_layers="
-        f"{cfg.get('max_window_layers')}) is not supported; LlamaConfig applies one window to every layer"
-    )
-
-
 def _check_supported(cfg: Mapping[str, Any], arch: str) -> None:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
@@ -159,10 +135,13 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> tuple[LlamaConfig, str]:
     Returns: ``(config, arch)`` with ``arch`` one of ``"llama"``, ``"mistral"``, ``"qwen2"``.
 
     Raises ``ValueError`` for an unknown ``model_type`` or missing keys, ``NotImplementedError`` for features the
-    reference model lacks (other RoPE types, ``mlp_bias``, Llama ``attention_bias``, per-layer sliding windows).
+    reference model lacks (other RoPE types, ``mlp_bias``, Llama ``attention_bias``, Gemma 2/3, Qwen3: see
+    :mod:`~lightning_llmopt.models.hf_patterns`). Qwen2 ``layer_types`` mixing sliding and full attention become
+    ``LlamaConfig.layer_types``.
     """
     cfg = _as_dict(hf_config)
     arch = cfg.get("model_type")
+    check_mapped(arch)  # Gemma 2/3, Qwen3: say what does not map
     if arch not in ARCHITECTURES:
         raise ValueError(f"model_type ({arch!r}) is not supported; supported: {sorted(ARCHITECTURES)}")
     if arch in DEEPSEEK_ARCHITECTURES:
@@ -183,7 +162,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> tuple[LlamaConfig, str]:
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=int(cfg["max_position_embeddings"]),
-        sliding_window=_sliding_window_from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
+        **pattern_from_hf(cfg, arch, int(cfg["num_hidden_layers"]), None),  # sliding_window, layer_types
         qkv_bias=arch == "qwen2",
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         init_std=float(cfg.get("initializer_range", 0.02)),
@@ -226,6 +205,8 @@ def arch_of(config: LlamaConfig, model_type: str | None = None) -> str:
         return "deepseek_v2"
     if config.qkv_bias:
         return "qwen2"
+    if config.layer_types is not None:  # per-layer windows: all local exports as Mistral, a mix only as Qwen2
+        return "mistral" if all(t != "global" for t in config.layer_types) else "qwen2"
     return "mistral" if config.sliding_window is not None else "llama"
 
 
@@ -273,4 +254,5 @@ def config_to_hf(config: LlamaConfig, arch: str = "llama", dtype: torch.dtype = 
             max_window_layers=0 if sliding else config.n_layers,
             layer_types=["sliding_attention" if sliding else "full_attention"] * config.n_layers,
         )
+    out.update(pattern_to_hf(config, arch) or {})  # per-layer windows (Qwen2); refuses cross-layer KV sharing
     return out

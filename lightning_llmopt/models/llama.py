@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from lightning_llmopt.models.attention import AttentionMask, attention
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.kv_cache import KVCache
+from lightning_llmopt.models.layer_pattern import SharedKV, layer_windows
 from lightning_llmopt.models.rope import apply_rope, rope_table
 
 KernelStep = Callable[[nn.Module], object]
@@ -57,11 +58,16 @@ class Attention(nn.Module):
         assert config.n_kv_heads is not None and config.head_dim is not None
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.window = config.sliding_window
+        self.window = config.layer_window(layer_id)
+        # Cross-layer KV sharing: a layer reading another layer's keys/values has no wk/wv of its own.
+        self.kv_source = config.kv_source(layer_id)
         self.backend = config.attn_backend
         self.wq = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=config.qkv_bias)
-        self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
-        self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wk: nn.Linear | None = None
+        self.wv: nn.Linear | None = None
+        if self.kv_source == layer_id:
+            self.wk = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+            self.wv = nn.Linear(config.dim, self.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
         # Hook for a fused rotation, ``rotary(q, k, table, positions) -> (q, k)``; None: ``apply_rope``.
         self.rotary: nn.Module | None = None
@@ -71,6 +77,8 @@ class Attention(nn.Module):
     def _packable(self) -> bool:
         """Whether q, k and v can come from one GEMM: three plain ``nn.Linear`` without hooks (not a tensor-parallel
         layout, LoRA or quantized module), plain-tensor weights of one dtype, biases on all or none."""
+        if self.wk is None or self.wv is None:
+            return False
         lins = (self.wq, self.wk, self.wv)
         if not all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in lins):
             return False
@@ -83,6 +91,7 @@ class Attention(nn.Module):
         """``(wq x, wk x, wv x)``. Packed: one GEMM over ``cat(wq, wk, wv)`` (the input's gradient is then one GEMM
         too, where three projections need two extra passes to sum theirs), split into views; ``v`` made contiguous
         (a small copy) so attention sees the layout of the unpacked path."""
+        assert self.wk is not None and self.wv is not None
         if not (self.pack_qkv and self._packable()):
             return self.wq(x), self.wk(x), self.wv(x)
         lins = (self.wq, self.wk, self.wv)
@@ -94,6 +103,8 @@ class Attention(nn.Module):
     def forward(
         self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask, kv_cache: KVCache | None = None
     ) -> Tensor:
+        if self.kv_source != self.layer_id:
+            return self._forward_shared(x, rope, positions, mask, kv_cache)
         B, T, _ = x.shape
         q, k, v = self._project(x)
         # Heads from the output size, not the config, so a tensor-parallel shard with fewer local heads works.
@@ -106,6 +117,21 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope, positions), apply_rope(k, rope, positions)
         if kv_cache is not None:
             k, v, k_positions = kv_cache.update(self.layer_id, k, v, positions)
+            if k_positions is not None:  # None: no cache behind a SharedKV (training), the training mask holds
+                mask = AttentionMask(positions, k_positions, window=self.window)
+        out = attention(q, k, v, mask, backend=self.backend)  # (B, H, T, D)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _forward_shared(
+        self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask, kv_cache: KVCache | None
+    ) -> Tensor:
+        """Attention over the keys/values layer ``kv_source`` stored this pass (cross-layer KV sharing)."""
+        if not isinstance(kv_cache, SharedKV):
+            raise RuntimeError(f"layer {self.layer_id} reads layer {self.kv_source}'s K/V: run it through Llama")
+        B, T, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2), rope, positions)  # (B, H, T, D)
+        k, v, k_positions = kv_cache.shared(self.kv_source)  # (B, H_kv, S, D)
+        if k_positions is not None:
             mask = AttentionMask(positions, k_positions, window=self.window)
         out = attention(q, k, v, mask, backend=self.backend)  # (B, H, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
@@ -278,17 +304,16 @@ class Llama(nn.Module):
             else:
                 positions = torch.arange(T, device=tokens.device).expand(B, T)
         self._check_positions(positions, given=not plain)
-        mask = AttentionMask(
-            positions,
-            positions,
-            doc_ids,
-            doc_ids,
-            window=self.config.sliding_window,
-            plain_causal=plain and self.config.sliding_window is None,
-        )
+        windows = layer_windows(self.config)  # one mask per distinct window (layer patterns)
+        masks = {
+            w: AttentionMask(positions, positions, doc_ids, doc_ids, window=w, plain_causal=plain and w is None)
+            for w in set(windows)
+        }
+        if self.config.kv_sources is not None:
+            kv_cache = SharedKV(kv_cache)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for block in self.layers.values():
-            h = block(h, self.rope, positions, mask, kv_cache)
+        for key, block in self.layers.items():
+            h = block(h, self.rope, positions, masks[windows[int(key)]], kv_cache)
         return self.norm(h) if self.norm is not None else h
 
     def _check_positions(self, positions: Tensor, given: bool) -> None:
@@ -358,7 +383,7 @@ class Llama(nn.Module):
                 e = ffn.experts
                 per_expert = (e.w1.numel() + e.w2.numel() + e.w3.numel()) // e.w1.shape[0]
                 n -= per_expert * (e.w1.shape[0] - ffn.config.top_k * e.w1.shape[0] / ffn.num_experts)
-        ctx = min(seq_len, cfg.sliding_window) if cfg.sliding_window else seq_len
+        ctx = sum(seq_len if w is None else min(seq_len, w) for w in layer_windows(cfg))
         head = (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) / 2 if cfg.mla is not None else cfg.head_dim  # q.k, p.v
-        attn = cfg.n_layers * cfg.n_heads * head * ctx
+        attn = cfg.n_heads * head * ctx
         return (6 * n + 6 * attn) if training else (2 * n + 2 * attn)

@@ -176,7 +176,7 @@ def validate_pipeline(model: nn.Module, config: PipelineConfig, seq_len: int | N
     if getattr(cfg, "moe", None) is not None:
         raise ValueError(f"pipeline_parallel ({config.pp}) with Mixture-of-Experts layers is not supported yet")
     assert config.virtual_stages is not None
-    return split_stages(
+    split = split_stages(
         cfg,
         config.pp,
         config.virtual_stages,
@@ -185,6 +185,14 @@ def validate_pipeline(model: nn.Module, config: PipelineConfig, seq_len: int | N
         style=config.style,
         seq_len=seq_len,
     )
+    for i, src in enumerate(getattr(cfg, "kv_sources", None) or []):  # cross-layer KV sharing stays within a stage
+        stage = next(s for s, (lo, hi) in enumerate(split.ranges) if lo <= i < hi)
+        if not split.ranges[stage][0] <= src:
+            raise ValueError(
+                f"pipeline_parallel ({config.pp}): layer {i} reads the K/V of layer {src}, which the split "
+                f"{list(split.ranges)} puts on another stage; choose kv_sources within stages"
+            )
+    return split
 
 
 def validate_microbatches(batch_size: int, config: PipelineConfig) -> None:

@@ -182,7 +182,12 @@ def _cast_input_for_autocast(module: nn.Module, kwarg: str | None = None) -> Non
 # --------------------------------------------------------------------------- plans
 
 
-def _block_plan(f: ModelFamily, sp: bool, replicate_kv: bool, moe: bool = False) -> dict[str, Any]:
+def _reads_shared_kv(attention: nn.Module) -> bool:
+    """Whether an attention module reads another layer's keys/values (cross-layer KV sharing: no k/v projections)."""
+    return getattr(attention, "kv_source", None) not in (None, getattr(attention, "layer_id", None))
+
+
+def _block_plan(f: ModelFamily, sp: bool, replicate_kv: bool, moe: bool = False, kv: bool = True) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -211,7 +216,7 @@ def _block_plan(f: ModelFamily, sp: bool, replicate_kv: bool, moe: bool = False)
             desired_output_layouts=(Replicate(),),
             use_local_output=True,
         )
-    if not replicate_kv:
+    if not replicate_kv and kv:
         plan[f"{att}.{f.k}"] = ColwiseParallel()
         plan[f"{att}.{f.v}"] = ColwiseParallel()
     # The attention and dense MLP inputs enter as ONE replicated DTensor (use_local_output=False) shared by q/k/v
@@ -277,7 +282,9 @@ def check_plan_paths(model: nn.Module, family: ModelFamily) -> None:
     paths = [f"{family.attention}.{p}" for p in (family.q, family.k, family.v, family.o)]
     mlp_paths = [f"{family.mlp}.{p}" for p in (family.gate, family.up, family.down)]
     for i, block in enumerate(_blocks(model, family)):
-        for path in paths + ([] if _moe_of(block, family) is not None else mlp_paths):
+        shared = _present(block, family.attention) and _reads_shared_kv(block.get_submodule(family.attention))
+        attn_paths = [p for p in paths if not (shared and p.endswith((f".{family.k}", f".{family.v}")))]
+        for path in attn_paths + ([] if _moe_of(block, family) is not None else mlp_paths):
             try:
                 module: nn.Module | None = block.get_submodule(path)
             except AttributeError:
@@ -364,7 +371,8 @@ def apply_tp(
     blocks = _blocks(model, family)
     for i, block in enumerate(blocks):
         moe = _moe_of(block, family)
-        parallelize_module(block, tp_mesh, _block_plan(family, sp, replicate_kv, moe=moe is not None))
+        kv = not _reads_shared_kv(_get(block, family.attention))  # a CLA reader has no k/v projections
+        parallelize_module(block, tp_mesh, _block_plan(family, sp, replicate_kv, moe=moe is not None, kv=kv))
         if moe is not None:
             _shard_moe(moe, tp_mesh)
         attention = _get(block, family.attention)
@@ -374,7 +382,7 @@ def apply_tp(
         if not sp:
             replicate_module(_get(block, family.attention_norm), tp_mesh)
             replicate_module(_get(block, family.mlp_norm), tp_mesh)
-        if replicate_kv:
+        if replicate_kv and kv:
             _replicate_kv(_get(attention, family.k), tp_mesh, shape)
             _replicate_kv(_get(attention, family.v), tp_mesh, shape)
         if family.kv_groups_attr is not None:

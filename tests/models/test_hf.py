@@ -229,8 +229,7 @@ def _dict_config(**extra: Any) -> dict[str, Any]:
     (dict(mlp_bias=True), NotImplementedError, "mlp_bias"),
     (dict(attention_bias=True), NotImplementedError, "attention_bias"),
     (dict(hidden_act="gelu"), NotImplementedError, "'gelu'"),
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), NotImplementedError,
-     "only some layers"),
+    # a Qwen2 window on only some layers is now supported (a layer pattern): tests/models/test_hf_patterns.py
 ])
 def test_config_errors(extra: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):

@@ -186,6 +186,13 @@ def test_config_refuses_sliding_window():
         LlamaConfig.from_preset("tiny", mla=MLA, sliding_window=8)
 
 
+def test_config_refuses_layer_patterns_and_kv_sharing():
+    with pytest.raises(ValueError, match="layer_types \\(\\['local:4', 'global'\\]\\)"):
+        LlamaConfig.from_preset("tiny", mla=MLA, layer_types=["local:4", "global"])
+    with pytest.raises(ValueError, match="kv_sources \\(\\[0, 0\\]\\)"):
+        LlamaConfig.from_preset("tiny", mla=MLA, kv_sources=[0, 0])
+
+
 def test_config_roundtrip():
     cfg = LlamaConfig.from_preset("tiny", mla=MLA)
     again = LlamaConfig.from_dict(cfg.to_dict())

@@ -216,3 +216,14 @@ def test_transformers_models_under_tp2(dist_pool: Any) -> None:
     for (kind, kw, _), result in zip(runs, results, strict=True):
         _assert_parity(result, _reference(kind, exact=True, **kw))
     assert results[2]["kv_classes"] == [ReplicatedKVProjection.__name__]
+
+
+def test_layer_patterns_and_shared_kv_under_tp2(dist_pool: Any) -> None:
+    """A local/global pattern with cross-layer KV sharing (layer 1 reads layer 0's K/V, so it has no wk/wv) under
+    TP=2, with and without sequence parallelism, and with one kv head (replicated): parity with one process."""
+    pattern = dict(sliding_window=5, layer_types=["local", "local"], kv_sources=[0, 0])
+    mqa = dict(pattern, n_kv_heads=1, layer_types=["global", "local"], kv_sources=None)
+    runs = [("llmopt", pattern, False), ("llmopt", pattern, True), ("llmopt", mqa, False)]
+    results = dist_pool(2).run(_tp_train, runs)[0]
+    for (_, kw, _), result in zip(runs, results, strict=True):
+        _assert_parity(result, _reference("llmopt", **kw))
