@@ -134,6 +134,11 @@ class AsyncDataParallelStrategy(NDParallelStrategy):
 
     @override
     def _make_precision(self, precision: str) -> ZeroPrecision:
+        if precision == "16-mixed" and self.async_config.mode != "bsp":
+            raise ValueError(
+                f"precision '16-mixed' does not compose with data_parallel_sync={self.async_config.mode!r}: its loss "
+                "scaler agrees on skipped steps with an all-reduce every step; use 'bf16-mixed' or '32-true'"
+            )
         device = self.root_device.type if self.parallel_devices else ("cuda" if torch.cuda.is_available() else "cpu")
         scaler = DynamicLossScaler(**self._scaler_kwargs) if precision == "16-mixed" else None  # type: ignore[arg-type]
         plugin = LocalClipPrecision(precision, device=device, scaler=scaler)
@@ -145,6 +150,33 @@ class AsyncDataParallelStrategy(NDParallelStrategy):
         super().setup(trainer)
         if self.mode != "bsp" and len(self.optimizers) > 1:
             raise ValueError(f"data_parallel_sync={self.mode!r} supports one optimizer, got {len(self.optimizers)}")
+        if self.mode != "bsp":
+            self._unsynchronised_sigterm_check(trainer)
+
+    def _unsynchronised_sigterm_check(self, trainer: pl.Trainer) -> None:
+        """Lightning 2.6 broadcasts a SIGTERM flag from rank 0 before every training batch (the training epoch
+        loop's ``_broadcast_sigterm_tensor``): a per-step synchronisation that would hold every rank to the slowest.
+        Here a rank that received SIGTERM sets a key in the process group's store instead, and every rank checks
+        that key before each batch (one store round trip, no waiting for other ranks); all ranks then stop."""
+        loop = trainer.fit_loop.epoch_loop
+        if not hasattr(loop, "_broadcast_sigterm_tensor") or not torch.distributed.is_initialized():
+            return
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+        from torch.distributed import distributed_c10d
+
+        store = distributed_c10d._get_default_store()
+        key = "llmopt_async_dp_sigterm"
+        if self.global_rank == 0:
+            store.delete_key(key)  # a flag left by an earlier run in the same process group
+        self.barrier("async_dp_sigterm_key")
+
+        def check() -> None:
+            if getattr(trainer, "received_sigterm", False):
+                store.set(key, "1")
+            if store.check([key]):
+                raise SIGTERMException()
+
+        loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ per step
     def _params(self) -> list[Tensor]:
