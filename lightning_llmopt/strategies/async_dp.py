@@ -112,6 +112,7 @@ class AsyncDataParallelStrategy(NDParallelStrategy):
         self.trace_staleness = trace_staleness
         self.sync: LocalSGD | StaleSync | None = None
         self._pending_sync_state: dict[str, Any] | None = None
+        self._sigterm_flag: tuple[Any, str] | None = None
 
     @property
     def mode(self) -> str:
@@ -177,6 +178,18 @@ class AsyncDataParallelStrategy(NDParallelStrategy):
                 raise SIGTERMException()
 
         loop._broadcast_sigterm_tensor = check  # type: ignore[method-assign]
+        self._sigterm_flag = (store, key)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A rank that stops on SIGTERM (Lightning also raises it from its own local check) raises the flag, so the
+        others stop at their next batch instead of waiting for it at the next synchronisation."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException) and self._sigterm_flag is not None:
+            store, key = self._sigterm_flag
+            store.set(key, "1")
+        super().on_exception(exception)
 
     # ------------------------------------------------------------------ per step
     def _params(self) -> list[Tensor]:

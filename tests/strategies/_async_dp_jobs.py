@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +207,36 @@ def _ssp_apply(replicas: list[Any], step_changes: list[torch.Tensor], world: int
     mean = sum(step_changes) / world
     for (m, _), own in zip(replicas, step_changes, strict=True):
         _set(m, _flat(m) + (mean - own))
+
+
+class _SigtermAt(L.Callback):
+    """Marks SIGTERM as received on ``rank`` after global step ``step`` (what Lightning's signal handler does)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            trainer._signal_connector.received_sigterm = True
+
+
+class _SleepOn(L.Callback):
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)
+
+
+def sigterm_job(init_path: str) -> dict[str, Any]:
+    """Local SGD with no synchronisation in the run: rank 1 receives SIGTERM after step 1; every rank must stop. Rank
+    0 sleeps 0.5 s before each batch so that it cannot finish the run (and wait in the final average) first."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    strategy = {"data_parallel_sync": "local_sgd", "sync_every": 100}
+    try:
+        fit(strategy, 8, init_path, callbacks=[_SigtermAt(1, 1), _SleepOn(0, 0.5)])
+    except SIGTERMException:
+        return {"stopped": True}
+    return {"stopped": False}

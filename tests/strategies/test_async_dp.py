@@ -177,6 +177,16 @@ def test_ssp_with_stragglers_matches_simulation(dist_pool: Any, init_path: str) 
     assert _rel(sim[0]["params"], bsp_like[0]["params"]) > 1e-5  # staleness changes the trajectory
 
 
+def test_sigterm_on_one_rank_stops_all(dist_pool: Any, init_path: str) -> None:
+    """The store flag that replaces Lightning's per-batch SIGTERM broadcast: a SIGTERM seen by rank 1 stops rank 0."""
+    pool = dist_pool(2)
+    timeout, pool.timeout = pool.timeout, 60.0  # a regression hangs (one rank waits in the final average)
+    try:
+        assert pool.run(A.sigterm_job, init_path) == [{"stopped": True}, {"stopped": True}]
+    finally:
+        pool.timeout = timeout
+
+
 # ------------------------------------------------------------------ resume
 @pytest.mark.parametrize(
     "strategy",
