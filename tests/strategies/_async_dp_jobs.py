@@ -240,3 +240,14 @@ def sigterm_job(init_path: str) -> dict[str, Any]:
     except SIGTERMException:
         return {"stopped": True}
     return {"stopped": False}
+
+
+def wrong_resume_job(init_path: str, root: str) -> str:
+    """Save under DiLoCo, resume under SSP: the error names both."""
+    strategy = {"data_parallel_sync": "local_sgd", "sync_every": 3, "outer_optimizer": "nesterov"}
+    fit(strategy, 2, init_path, callbacks=[J.SaveAt(2, root)], data_steps=4)
+    try:
+        fit({"data_parallel_sync": "ssp", "staleness": 1}, 4, init_path, ckpt_path=root)
+    except ValueError as err:
+        return str(err)
+    return "no error"

@@ -205,3 +205,9 @@ def test_resume_equals_uninterrupted(dist_pool: Any, init_path: str, tmp_path: P
         # the same arithmetic in the same order: bitwise
         assert resumed["losses"] == whole["losses"][4:]
         assert all(torch.equal(resumed["params"][k], whole["params"][k]) for k in whole["params"])
+
+
+def test_resume_under_another_mode_is_refused(dist_pool: Any, init_path: str, tmp_path: Path) -> None:
+    for message in dist_pool(2).run(A.wrong_resume_job, init_path, str(tmp_path / "ckpt")):
+        assert "data_parallel_sync='ssp' resumes from a checkpoint of the same mode" in message, message
+        assert "(mode 'local_sgd')" in message, message
