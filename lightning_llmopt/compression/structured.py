@@ -45,6 +45,16 @@ def _blocks(model: Llama) -> dict[int, TransformerBlock]:
     return {int(k): cast(TransformerBlock, b) for k, b in model.layers.items()}
 
 
+def _attention(block: TransformerBlock, i: int) -> Attention:
+    """The block's GQA attention; structured pruning removes whole q/k/v heads, which MLA (a shared latent) and a
+    layer reading another layer's K/V (``kv_sources``) do not have."""
+    attn = block.attention
+    if not isinstance(attn, Attention) or attn.wk is None:
+        kind = "MLA" if not isinstance(attn, Attention) else "K/V shared from another layer (kv_sources)"
+        raise ValueError(f"block {i}: structured pruning supports GQA attention with its own K/V only (found {kind})")
+    return attn
+
+
 def head_scores(attn: Attention) -> Tensor:
     """``(H,)`` weight-norm importance of each query head: ``||W_q[h]||_F * ||W_o[:, h]||_F``."""
     d = attn.head_dim
@@ -96,7 +106,7 @@ def plan_structured(
         feed = block.feed_forward
         if not isinstance(feed, FeedForward):
             raise ValueError(f"block {i}: structured pruning supports dense SwiGLU blocks only (found MoE)")
-        hs, cs = scores[i] if scores is not None else (head_scores(block.attention), channel_scores(feed))
+        hs, cs = scores[i] if scores is not None else (head_scores(_attention(block, i)), channel_scores(feed))
         groups = hs.view(cfg.n_kv_heads, cfg.n_rep)  # (H_kv, n_rep)
         kv = _topk_sorted(groups.sum(1), n_kv)
         plan.kv_heads[i] = kv
@@ -109,7 +119,7 @@ def plan_structured(
 def mask_structured(model: Llama, plan: StructuredPlan) -> None:
     """Zero ``wo`` columns of dropped query heads and ``w2`` columns of dropped channels, in place."""
     for i, block in _blocks(model).items():
-        attn, ffn = block.attention, cast(FeedForward, block.feed_forward)
+        attn, ffn = _attention(block, i), cast(FeedForward, block.feed_forward)
         d = attn.head_dim
         keep = torch.zeros(attn.wo.in_features // d, dtype=torch.bool)
         keep[plan.q_heads[i]] = True
@@ -149,8 +159,9 @@ def prune_structured(model: Llama, plan: StructuredPlan) -> Llama:
     assert cfg.head_dim is not None
     d = cfg.head_dim
     for i, block in _blocks(model).items():
-        attn, ffn = block.attention, cast(FeedForward, block.feed_forward)
+        attn, ffn = _attention(block, i), cast(FeedForward, block.feed_forward)
         q_rows, kv_rows = _head_rows(plan.q_heads[i], d), _head_rows(plan.kv_heads[i], d)
+        assert attn.wk is not None and attn.wv is not None  # _attention refuses shared K/V
         attn.wq, attn.wk, attn.wv = _sliced(attn.wq, q_rows), _sliced(attn.wk, kv_rows), _sliced(attn.wv, kv_rows)
         attn.wo = _sliced(attn.wo, cols=q_rows)
         attn.n_heads, attn.n_kv_heads = plan.n_kv_heads * plan.n_rep, plan.n_kv_heads

@@ -63,3 +63,16 @@ def test_plan_keeps_most_important_and_validates() -> None:
     assert plan.kv_heads[0] == [0] and plan.q_heads[0] == [1] and plan.channels[0] == [5]
     with pytest.raises(ValueError, match="n_kv_heads"):
         plan_structured(model, n_kv_heads=3)
+
+
+@pytest.mark.parametrize(
+    "overrides,found",
+    [
+        (dict(mla=dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)), "found MLA"),
+        (dict(kv_sources=[0, 0]), "found K/V shared from another layer"),
+    ],
+)
+def test_refuses_attention_without_own_gqa_heads(overrides: dict, found: str) -> None:
+    model = Llama(LlamaConfig.from_preset("tiny", **overrides))
+    with pytest.raises(ValueError, match=f"block [01]: structured pruning supports GQA attention .*{found}"):
+        plan_structured(model, n_kv_heads=1)
