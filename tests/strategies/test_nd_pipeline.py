@@ -234,6 +234,27 @@ def test_checkpoint_across_pipeline_layouts(
     _assert_resumed(out, 3)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"pipeline_parallel": 2, "schedule": "1f1b", "microbatches": 2, "zero_stage": 0},
+        {"pipeline_parallel": 2, "schedule": "zero_bubble", "microbatches": 4},  # V=2, ZeRO-2 by default
+    ],
+)
+def test_checkpoint_resumes_into_the_same_pipeline_layout(
+    dist_pool: Any, init_paths: dict[int, str], tmp_path: Path, layout: dict[str, Any]
+) -> None:
+    """PP=2 -> PP=2: every stage's optimizer state and its param groups' options (lr, betas, ...) come back, so the
+    resumed run repeats the uninterrupted one's arithmetic: losses and final parameters agree exactly."""
+    out = dist_pool(2).run(J.reshard_job, init_paths[4], str(tmp_path / "ckpt"), layout, layout, 3, 6, _layers(4))[0]
+    assert out["folders"] == ["step-00000003"]
+    assert _rel(_flat(out["resumed"]["start_params"]), _flat(out["saved"])) == 0.0
+    assert out["resumed"]["losses"] == out["straight"]["losses"][3:] and len(out["resumed"]["losses"]) == 3
+    assert sorted(out["resumed"]["params"]) == sorted(out["straight"]["params"])
+    for name, value in out["straight"]["params"].items():
+        assert torch.equal(out["resumed"]["params"][name], value), (layout, name)
+
+
 def test_checkpoint_from_pipeline_tensor_parallel(dist_pool: Any, init_paths: dict[int, str], tmp_path: Path) -> None:
     """PP x TP = 2 x 2 -> TP x DP = 2 x 2 (no pipeline): the DTensor shards of every stage are saved under the full
     model's names and resharded on load."""
