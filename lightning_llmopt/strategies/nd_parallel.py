@@ -416,6 +416,10 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
             return entry
         return merge_stage_param_groups(entry, self._device_mesh["pp"].get_group())
 
+    @property
+    def _pipeline_stage(self) -> bool:  # type: ignore[override]
+        return self.dims is not None and self.dims.pp > 1
+
     @override
     def _apply_loaded(self, state: dict[str, Any]) -> None:
         if self.stage in (1, 2):

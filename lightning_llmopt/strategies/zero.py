@@ -281,6 +281,8 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         return model_state(self.lightning_module, dcp=self.stage == 3)
 
+    _pipeline_stage = False  # the module is one pipeline stage (NDParallelStrategy)
+
     def _optimizer_entry(self) -> dict[str, Any] | None:
         return optimizer_entry(self.lightning_module, self.optimizers)
 
@@ -354,7 +356,7 @@ class ZeroStrategy(DDPStrategy):
         elif "optimizer" in state:
             opt = self.optimizers[0]
             assert isinstance(opt, ZeroOptimizer)
-            zc.load_zero_optimizer(opt, state["optimizer"], module)
+            zc.load_zero_optimizer(opt, state["optimizer"], module, pipeline_stage=self._pipeline_stage)
         if "loss_scaler" in state and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 

@@ -68,8 +68,10 @@ def merge_stage_param_groups(entry: dict[str, Any], group: Any) -> dict[str, Any
     stages: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(stages, mine, group=group)
     if len({len(groups) for groups in stages}) != 1:
-        raise ValueError(f"the pipeline stages' optimizers have different numbers of param groups: "
-                         f"{[len(groups) for groups in stages]}")
+        raise ValueError(
+            f"the pipeline stages' optimizers have different numbers of param groups: "
+            f"{[len(groups) for groups in stages]}"
+        )
     merged = [{**g, "params": [name for groups in stages for name in groups[i]["params"]]} for i, g in enumerate(mine)]
     return {**entry, "param_groups": zc.to_bytes(merged)}
 
