@@ -42,7 +42,7 @@ from lightning_llmopt.strategies.nd_precision import NDPrecision
 from lightning_llmopt.strategies.nd_setup import parallelize_model, pipeline_runner, pipeline_split
 from lightning_llmopt.strategies.nd_setup import user_parallelized as _user_parallelized
 from lightning_llmopt.strategies.zero import ZeroStrategy
-from lightning_llmopt.strategies.zero_dcp import load_dcp_state, model_state
+from lightning_llmopt.strategies.zero_dcp import load_dcp_state, merge_stage_param_groups, model_state
 from lightning_llmopt.strategies.zero_precision import ZeroPrecision
 
 __all__ = ["NDParallelStrategy", "NDPrecision"]
@@ -406,6 +406,19 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
     def _model_state(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         return model_state(self.lightning_module, dcp=self.stage not in (1, 2))
+
+    @override
+    def _optimizer_entry(self) -> dict[str, Any] | None:
+        """Under pipeline parallelism each stage's param groups name only its own parameters, and DCP keeps one
+        rank's copy of the (replicated-looking) ``param_groups`` entry: save the union over the stages instead."""
+        entry = super()._optimizer_entry()
+        if entry is None or self.dims is None or self.dims.pp == 1:
+            return entry
+        return merge_stage_param_groups(entry, self._device_mesh["pp"].get_group())
+
+    @property
+    def _pipeline_stage(self) -> bool:  # type: ignore[override]
+        return self.dims is not None and self.dims.pp > 1
 
     @override
     def _apply_loaded(self, state: dict[str, Any]) -> None:

@@ -281,6 +281,11 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         return model_state(self.lightning_module, dcp=self.stage == 3)
 
+    _pipeline_stage = False  # the module is one pipeline stage (NDParallelStrategy)
+
+    def _optimizer_entry(self) -> dict[str, Any] | None:
+        return optimizer_entry(self.lightning_module, self.optimizers)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write ``filepath/step-<global_step>`` atomically from every rank (no full state on any rank)."""
@@ -293,7 +298,7 @@ class ZeroStrategy(DDPStrategy):
         lightning = {k: zc.to_bytes(v) for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         state: dict[str, Any] = {"model": self._model_state(), "lightning": lightning,
                                  "rng": {f"rank{self.global_rank}": zc.rng_state()}}
-        optimizer = optimizer_entry(self.lightning_module, self.optimizers)
+        optimizer = self._optimizer_entry()
         if optimizer is not None:
             state["optimizer"] = optimizer
         if self.loss_scaler is not None:
@@ -351,7 +356,7 @@ class ZeroStrategy(DDPStrategy):
         elif "optimizer" in state:
             opt = self.optimizers[0]
             assert isinstance(opt, ZeroOptimizer)
-            zc.load_zero_optimizer(opt, state["optimizer"], module)
+            zc.load_zero_optimizer(opt, state["optimizer"], module, pipeline_stage=self._pipeline_stage)
         if "loss_scaler" in state and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 

@@ -87,8 +87,11 @@ def _param_ranges(opt: ZeroOptimizer) -> dict[str, tuple[tuple[int, ...], list[t
 
 
 def _sharded_tensor(local_flat: Tensor, lo: int, shape: tuple[int, ...], ranges: list[tuple[int, int]],
-                    rank: int) -> Any:
-    """A ShardedTensor of logical ``shape`` whose local shards hold ``local_flat`` (flat elements from ``lo``)."""
+                    rank: int, global_ranks: list[int]) -> Any:
+    """A ShardedTensor of logical ``shape`` whose local shards hold ``local_flat`` (flat elements from ``lo``).
+
+    ``ranges`` and ``rank`` are indexed by the ZeRO group's ranks; ``global_ranks[r]`` is group rank ``r``'s global
+    rank, which a shard's placement names (the group is not the whole world under pipeline parallelism)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -97,7 +100,7 @@ def _sharded_tensor(local_flat: Tensor, lo: int, shape: tuple[int, ...], ranges:
     for r, (a, b) in enumerate(ranges):
         pos = 0
         for offsets, sizes in flat_range_rects(a, b, shape):
-            meta = ShardMetadata(list(offsets), list(sizes), f"rank:{r}/cpu")
+            meta = ShardMetadata(list(offsets), list(sizes), f"rank:{global_ranks[r]}/cpu")
             metas.append(meta)
             if r == rank:
                 n = math.prod(sizes)
@@ -112,11 +115,13 @@ def zero_optimizer_state(opt: ZeroOptimizer) -> dict[str, Any]:
     """The stage-independent optimizer entry for a ZeRO-1/2 optimizer (see the module docstring)."""
     sd = opt.state_dict()
     ranges = _param_ranges(opt)
+    group = opt.process_group
+    global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(opt.world_size)]
     state: dict[str, dict[str, Any]] = {}
     for fqn, entry in sd["params"].items():
         shape, per_rank = ranges[fqn]
         lo = entry["offset"]
-        state[fqn] = {k: v if v.dim() == 0 else _sharded_tensor(v, lo, shape, per_rank, opt.rank)
+        state[fqn] = {k: v if v.dim() == 0 else _sharded_tensor(v, lo, shape, per_rank, opt.rank, global_ranks)
                       for k, v in entry["state"].items()}
     groups = [{**{k: v for k, v in g.items() if k != "param_names"}, "params": list(g["param_names"])}
               for g in sd["param_groups"]]
@@ -148,8 +153,11 @@ def zero_optimizer_template(opt: ZeroOptimizer, metadata: Any) -> dict[str, Any]
     return {"state": state, "param_groups": b""}
 
 
-def load_zero_optimizer(opt: ZeroOptimizer, loaded: Mapping[str, Any], module: nn.Module) -> None:
-    """Load the optimizer entry read by :func:`zero_optimizer_template` (masters are the loaded parameters)."""
+def load_zero_optimizer(opt: ZeroOptimizer, loaded: Mapping[str, Any], module: nn.Module,
+                        pipeline_stage: bool = False) -> None:
+    """Load the optimizer entry read by :func:`zero_optimizer_template` (masters are the loaded parameters).
+
+    ``pipeline_stage``: ``module`` is one pipeline stage, whose optimizer holds part of each saved param group."""
     groups = from_bytes(loaded["param_groups"])
     params = dict(module.named_parameters())
     entries: dict[str, Any] = {}
@@ -160,9 +168,20 @@ def load_zero_optimizer(opt: ZeroOptimizer, loaded: Mapping[str, Any], module: n
         st = {k: (v.reshape(-1) if v.dim() > 0 else v) for k, v in saved.items()}
         entries[fqn] = {"shape": shape, "offset": 0, "master": master, "state": st}
     full = {"format": FORMAT, "world_size": 1, "rank": 0, "params": entries,
-            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "param_names": list(g["params"])}
-                             for g in groups]}
+            "param_groups": _own_groups(groups, opt.group_names, pipeline_stage)}
     opt.load_state_dict(full)
+
+
+def _own_groups(groups: list[dict[str, Any]], own: list[list[str]], pipeline_stage: bool) -> list[dict[str, Any]]:
+    """The saved groups' options and names, for ``ZeroOptimizer.load_state_dict`` (which checks the names). A
+    pipeline stage holds part of each saved group (saved with every stage's names): there this stage's names, where
+    each lies within the saved group of the same index."""
+    if not pipeline_stage or len(groups) != len(own) or any(
+        not set(names) <= set(g["params"]) for g, names in zip(groups, own, strict=True)
+    ):
+        return [{**{k: v for k, v in g.items() if k != "params"}, "param_names": list(g["params"])} for g in groups]
+    return [{**{k: v for k, v in g.items() if k != "params"}, "param_names": list(names)}
+            for g, names in zip(groups, own, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------- RNG and plain values

@@ -19,7 +19,14 @@ from torch import nn
 from lightning_llmopt.parallel.zero import ZeroOptimizer
 from lightning_llmopt.strategies import zero_checkpoint as zc
 
-__all__ = ["load_dcp_state", "model_state", "optimizer_entry", "optimizer_template", "resolve_checkpoint"]
+__all__ = [
+    "load_dcp_state",
+    "merge_stage_param_groups",
+    "model_state",
+    "optimizer_entry",
+    "optimizer_template",
+    "resolve_checkpoint",
+]
 
 
 def model_state(module: nn.Module, dcp: bool) -> dict[str, Any]:
@@ -45,6 +52,28 @@ def optimizer_entry(module: nn.Module | None, optimizers: list[Any]) -> dict[str
     assert module is not None
     sd = get_optimizer_state_dict(module, opt)
     return {"state": sd["state"], "param_groups": zc.to_bytes(sd["param_groups"])}
+
+
+def merge_stage_param_groups(entry: dict[str, Any], group: Any) -> dict[str, Any]:
+    """``entry`` with param groups naming every pipeline stage's parameters (collective over ``group``).
+
+    Each stage's optimizer holds its own parameters only, while DCP writes a non-tensor entry such as
+    ``param_groups`` once (one rank's copy): a resume would then find no saved group, hence no options (``betas``,
+    ``lr``, ...), for the other stages' parameters. Group ``i`` keeps this rank's options (the stages' optimizers are
+    built alike) and lists the names of group ``i`` of every stage, in stage-rank order.
+    """
+    import torch.distributed as dist
+
+    mine = zc.from_bytes(entry["param_groups"])
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, mine, group=group)
+    if len({len(groups) for groups in stages}) != 1:
+        raise ValueError(
+            f"the pipeline stages' optimizers have different numbers of param groups: "
+            f"{[len(groups) for groups in stages]}"
+        )
+    merged = [{**g, "params": [name for groups in stages for name in groups[i]["params"]]} for i, g in enumerate(mine)]
+    return {**entry, "param_groups": zc.to_bytes(merged)}
 
 
 def optimizer_template(module: nn.Module | None, optimizers: list[Any], metadata: Any) -> dict[str, Any] | None:

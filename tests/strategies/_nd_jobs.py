@@ -53,12 +53,18 @@ class Tokens(Dataset):
 
 
 def load_initial_weights(module: L.LightningModule, path: str | None) -> None:
-    """Every layout starts from the same full weights (a fresh run; a resumed run has its checkpoint)."""
+    """Every layout starts from the same full weights (a fresh run; a resumed run has its checkpoint).
+
+    Only a pipeline stage may hold a subset of the file's entries: elsewhere an entry the module lacks (e.g. a
+    4-block file read into the default 2-block module) is an error, not silently skipped."""
     if path is not None and module.trainer.ckpt_path is None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = torch.load(path, weights_only=True)
         own = set(module.state_dict())  # a pipeline stage holds a subset, under the full model's names
+        extra = sorted(set(full) - own)
+        if extra and getattr(getattr(module.trainer.strategy, "dims", None), "pp", 1) == 1:
+            raise ValueError(f"{path} holds {len(extra)} entries the module lacks (e.g. {extra[:3]})")
         set_model_state_dict(
             module, {k: v for k, v in full.items() if k in own}, options=StateDictOptions(full_state_dict=True)
         )
@@ -259,7 +265,9 @@ def reshard_job(
     }
 
 
-def validate(nd: dict[str, Any] | None, init_path: str) -> dict[str, float]:
+def validate(
+    nd: dict[str, Any] | None, init_path: str, module_kwargs: dict[str, Any] | None = None
+) -> dict[str, float]:
     """``Trainer.validate`` of ``Module`` on 8 packed rows from the given weights: ``val/loss`` and ``val/ppl``
     (the vocab-parallel loss, the perplexity metric and its cross-rank sync)."""
 
@@ -280,7 +288,7 @@ def validate(nd: dict[str, Any] | None, init_path: str) -> dict[str, float]:
         use_distributed_sampler=False,
     )
     loader = torch.utils.data.DataLoader(Tokens(8, packed=True), batch_size=8)
-    (metrics,) = trainer.validate(Validated(init_path=init_path), loader, verbose=False)
+    (metrics,) = trainer.validate(Validated(init_path=init_path, **(module_kwargs or {})), loader, verbose=False)
     return {k: float(v) for k, v in metrics.items()}
 
 
@@ -290,6 +298,19 @@ def fit_then_validate(nd: dict[str, Any] | None, init_path: str) -> dict[str, fl
     loader = torch.utils.data.DataLoader(Tokens(8, packed=True), batch_size=8)
     (metrics,) = trainer.validate(trainer.lightning_module, loader, verbose=False)
     return {k: float(v) for k, v in metrics.items()}
+
+
+def fit_validate_and_save(nd: dict[str, Any], init_path: str, out: str, module_kwargs: dict[str, Any]) -> float:
+    """``fit`` (5 steps) then ``validate`` on the same trainer; the final weights (the union over the stages) are
+    written to ``out`` by rank 0. Returns ``val/loss``."""
+    _, trainer = fit(nd, init_path=init_path, module_kwargs=module_kwargs)
+    loader = torch.utils.data.DataLoader(Tokens(8, packed=True), batch_size=8)
+    (metrics,) = trainer.validate(trainer.lightning_module, loader, verbose=False)
+    params = union_over_ranks(full_params(trainer.lightning_module))
+    if dist.get_rank() == 0:
+        torch.save(params, out)
+    dist.barrier()
+    return float(metrics["val/loss"])
 
 
 def fit_then_validate_job(init_path: str, layouts: list[dict[str, Any]]) -> list[dict[str, float]]:

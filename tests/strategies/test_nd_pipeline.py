@@ -186,16 +186,37 @@ def test_validation_matches_one_process(dist_pool: Any, init_paths: dict[int, st
 
 def test_validate_after_fit_on_the_same_trainer(dist_pool: Any, init_paths: dict[int, str]) -> None:
     """``fit`` then ``validate`` on one Trainer: the second setup reuses the stages the first split and parallelised
-    (it used to refuse the already-parallelised model), and the validation loss is the single process's."""
+    (it used to refuse the already-parallelised model), and the validation loss is the single process's (fit and
+    validate in one process; the 2 training steps agree to 1e-6 relative, as in the parity tests, so the losses of
+    the weights they leave do too)."""
     ref = J.fit_then_validate(None, init_paths[2])
     layouts = [  # parameters that are DTensors after the first setup: TP shards, FSDP2 shards
         {"pipeline_parallel": 2, "tensor_parallel": 2, "zero_stage": 0},
         {"pipeline_parallel": 2, "data_parallel": 2, "zero_stage": 3},
+        {"pipeline_parallel": 2, "data_parallel": 2, "schedule": "1f1b", "microbatches": 2, "zero_stage": 0},
     ]
+    plain = [{"pipeline_parallel": 2, "schedule": "1f1b", "microbatches": 2, "zero_stage": 0}]  # plain tensors
     results = dist_pool(4).run(J.fit_then_validate_job, init_paths[2], layouts)[0]
-    for layout, metrics in zip(layouts, results, strict=True):
+    results += dist_pool(2).run(J.fit_then_validate_job, init_paths[2], plain)[0]
+    for layout, metrics in zip(layouts + plain, results, strict=True):
         for key in ("val/loss", "val/ppl"):
             assert abs(metrics[key] - ref[key]) <= TOL * ref[key], (layout, key, metrics[key], ref[key])
+
+
+def test_validate_after_fit_matches_one_process_on_the_same_weights(
+    dist_pool: Any, init_paths: dict[int, str], tmp_path: Path
+) -> None:
+    """PP=2 (1f1b), 4 blocks: ``validate`` after ``fit`` equals a single process's ``validate`` of the final weights
+    exactly (the same blocks in the same order on the same rows; the metric sync over the two stages sums identical
+    states, which is exact). The single-process reference must build the 4-block model: the default 2-block module
+    used to take only the weights it had names for (a different model, 5.7009 against 5.6678), and now refuses."""
+    final = str(tmp_path / "final.pt")
+    nd = {"pipeline_parallel": 2, "schedule": "1f1b", "microbatches": 2, "zero_stage": 0}
+    losses = dist_pool(2).run(J.fit_validate_and_save, nd, init_paths[4], final, _layers(4))
+    ref = J.validate(None, final, module_kwargs=_layers(4))
+    assert losses[0] == losses[1] == ref["val/loss"], (losses, ref)
+    with pytest.raises(ValueError, match="entries the module lacks"):
+        J.validate(None, final)
 
 
 def test_validation_with_tensor_parallel(dist_pool: Any, init_paths: dict[int, str]) -> None:
@@ -232,6 +253,27 @@ def test_checkpoint_across_pipeline_layouts(
     straight one."""
     out = dist_pool(2).run(J.reshard_job, init_paths[4], str(tmp_path / "ckpt"), save, load, 3, 6, _layers(4))[0]
     _assert_resumed(out, 3)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"pipeline_parallel": 2, "schedule": "1f1b", "microbatches": 2, "zero_stage": 0},
+        {"pipeline_parallel": 2, "schedule": "zero_bubble", "microbatches": 4},  # V=2, ZeRO-2 by default
+    ],
+)
+def test_checkpoint_resumes_into_the_same_pipeline_layout(
+    dist_pool: Any, init_paths: dict[int, str], tmp_path: Path, layout: dict[str, Any]
+) -> None:
+    """PP=2 -> PP=2: every stage's optimizer state and its param groups' options (lr, betas, ...) come back, so the
+    resumed run repeats the uninterrupted one's arithmetic: losses and final parameters agree exactly."""
+    out = dist_pool(2).run(J.reshard_job, init_paths[4], str(tmp_path / "ckpt"), layout, layout, 3, 6, _layers(4))[0]
+    assert out["folders"] == ["step-00000003"]
+    assert _rel(_flat(out["resumed"]["start_params"]), _flat(out["saved"])) == 0.0
+    assert out["resumed"]["losses"] == out["straight"]["losses"][3:] and len(out["resumed"]["losses"]) == 3
+    assert sorted(out["resumed"]["params"]) == sorted(out["straight"]["params"])
+    for name, value in out["straight"]["params"].items():
+        assert torch.equal(out["resumed"]["params"][name], value), (layout, name)
 
 
 def test_checkpoint_from_pipeline_tensor_parallel(dist_pool: Any, init_paths: dict[int, str], tmp_path: Path) -> None:

@@ -266,8 +266,7 @@ def test_validation_during_fit_leaves_training_unchanged(dist_pool: Any, init_pa
 def test_checkpoint_mid_run_holds_the_live_weights(dist_pool: Any, init_path: str, tmp_path: Path) -> None:
     """A checkpoint saved after step 2 of a 2BW run (gradient sends still in flight) holds the live weights, i.e.
     the rule's after 2 steps, and the training is unchanged by the save; it resumes under PP=1 x DP=2 with those
-    weights exactly. (Resuming under PP=2 fails with KeyError 'betas' for every schedule, 1f1b included: a
-    pre-existing problem of PP -> PP optimizer state, not looked into here.)"""
+    weights exactly. (PP -> PP resumes are tested in test_nd_pipeline.py.)"""
     nd = {"pipeline_parallel": 2, "schedule": "pipedream_2bw", "microbatches": 2}
     load = {"data_parallel": 2, "zero_stage": 0}
     out = dist_pool(2).run(J.reshard_job, init_path, str(tmp_path / "ckpt"), nd, load, 2, J.STEPS, _module_kwargs())
