@@ -373,25 +373,24 @@ def make_kv(
     from lightning_llmopt.inference.kv_pool import pool_blocks
 
     groups = kv_groups(model_cfg)
-    num_blocks = pool_blocks(model_cfg, config, max_model_len, device, kv_dtype)
     shape = (model_cfg.n_kv_heads, model_cfg.head_dim)
     if len(groups) == 1:
+        num_blocks = pool_blocks(model_cfg, config, max_model_len, device, kv_dtype)
         pool = KVPool(len(groups[0].layers), *shape, num_blocks, config.block_size, kv_dtype, device)
         return pool, BlockManager(num_blocks, config.block_size)
     if kv_dtype == torch.int8:
         raise ValueError("kv_dtype='int8' is not supported with KV groups (producers with different windows) yet")
+    from lightning_llmopt.inference.kv_group_sizing import group_pool_sizes
+    from lightning_llmopt.inference.kv_pool import kv_budget_bytes, useful_blocks
+
     windows = [g.window for g in groups[1:] if g.window is not None]
-    sizes = [
-        group_blocks(
-            w,
-            config.block_size,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            num_blocks,
-            config.enable_prefix_caching,
-        )
-        for w in windows
-    ]  # type: ignore[arg-type]
+    budget = None
+    if config.num_blocks is None and device.type == "cuda":  # the local groups' savings become global blocks
+        budget = kv_budget_bytes(device, config.gpu_memory_fraction, int(config.reserve_gib * 2**30))
+        num_blocks = useful_blocks(config, max_model_len)
+    else:  # num_blocks, or the CPU default, for group 0; the local groups their need
+        num_blocks = pool_blocks(model_cfg, config, max_model_len, device, kv_dtype)
+    num_blocks, *sizes = group_pool_sizes(groups, model_cfg, config, kv_dtype, num_blocks, budget)
     manager = GroupedBlockManager(num_blocks, config.block_size, windows, sizes)  # type: ignore[arg-type]
     pools = [
         KVPool(len(g.layers), *shape, n, config.block_size, kv_dtype, device)

@@ -66,6 +66,8 @@ def rounds_for(engine: EngineCore, sched: Schedule, wanted: list[tuple[Work, int
     spec = engine.spec
     if spec is None or not spec.device_rounds or engine.graphs is None or spec.controller.probing:
         return 0, 0  # a probe is one re-measuring step on the host path
+    if engine.graphs.n_local:  # KV groups: the round graph's rows carry group 0's blocks only (host path)
+        return 0, 0
     if _admissible(engine):
         return 0, 0
     drafter = spec.drafter
@@ -240,7 +242,7 @@ def capture_rounds(engine: EngineCore) -> None:
     spec = engine.spec
     if spec is None or engine.graphs is None or not isinstance(spec.drafter, ModelDrafter):
         return
-    if spec.drafter.graphs is None:
+    if spec.drafter.graphs is None or engine.graphs.n_local:  # KV groups: no device rounds (rounds_for)
         return
     for k in range(1, spec.controller.max_k + 1):
         for b in engine.config.graph_batch_sizes:
