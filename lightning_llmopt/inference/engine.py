@@ -90,8 +90,6 @@ class LLMEngine(EngineOutputs):
         if self.device.type == "cuda":
             watch_triton(startup)
         startup.mark("kv pool")
-        if cfg.kv_sources is not None and kv_dtype == torch.int8:
-            raise ValueError("kv_dtype='int8' is not supported with kv_sources (cross-layer KV sharing) yet")
         self.pool: KVPool | GroupedPool
         if cfg.mla is not None:  # multi-head latent attention: a latent pool and the absorbed-form runner
             from lightning_llmopt.inference import mla_cache

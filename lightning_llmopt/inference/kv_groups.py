@@ -74,8 +74,8 @@ def group_blocks(
 
 class GroupedPool(KVPool):
     """The KV pools of every group behind the :class:`KVPool` calls the runner makes, indexed by producer slot
-    (the producer's rank among all producers, as with one pool). It owns no storage of its own (no ``data``);
-    int8 storage is not supported.
+    (the producer's rank among all producers, as with one pool). It owns no storage of its own (no ``data``); int8
+    scales (one row per producer slot) are handed to the groups' pools row by row.
 
     Arguments:
         groups: the groups (:func:`kv_groups`).
@@ -103,17 +103,25 @@ class GroupedPool(KVPool):
         return sum(p.nbytes for p in self.pools)
 
     def check_ready(self) -> None:
-        pass
+        for pool in self.pools:
+            pool.check_ready()
 
     def set_scales(self, scales: Any) -> None:
-        raise ValueError("int8 KV scales are not supported with KV groups (producers with different windows)")
+        """int8 scales ``(producers, n_kv_heads)`` in producer-slot order: each group's pool gets its layers' rows."""
+        if tuple(scales.k.shape) != (self.n_layers, self.n_kv_heads):
+            raise ValueError(f"scales are {tuple(scales.k.shape)}, the pool needs ({self.n_layers}, {self.n_kv_heads})")
+        for g, pool in enumerate(self.pools):
+            rows = [slot for _, slot in sorted((i, slot) for slot, (gi, i) in enumerate(self.where) if gi == g)]
+            pool.set_scales(type(scales)(scales.k[rows], scales.v[rows]))
+        self.scales = scales
 
     def layer(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         g, i = self.where[slot]
         return self.pools[g].layer(i)
 
     def layer_scales(self, slot: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return None, None
+        g, i = self.where[slot]
+        return self.pools[g].layer_scales(i)
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> None:
         g, i = self.where[slot]
@@ -378,8 +386,6 @@ def make_kv(
         num_blocks = pool_blocks(model_cfg, config, max_model_len, device, kv_dtype)
         pool = KVPool(len(groups[0].layers), *shape, num_blocks, config.block_size, kv_dtype, device)
         return pool, BlockManager(num_blocks, config.block_size)
-    if kv_dtype == torch.int8:
-        raise ValueError("kv_dtype='int8' is not supported with KV groups (producers with different windows) yet")
     from lightning_llmopt.inference.kv_group_sizing import group_pool_sizes
     from lightning_llmopt.inference.kv_pool import kv_budget_bytes, useful_blocks
 

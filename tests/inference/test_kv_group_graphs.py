@@ -9,15 +9,16 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from lightning_llmopt.inference import LLMEngine, SamplingParams
+from lightning_llmopt.inference import KVScales, LLMEngine, SamplingParams
 from lightning_llmopt.inference.config import EngineConfig
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs
 from lightning_llmopt.inference.kv_group_sizing import group_pool_sizes, split_blocks
 from lightning_llmopt.inference.kv_groups import group_blocks, kv_groups
 from lightning_llmopt.inference.speculative import SpeculativeConfig
-from lightning_llmopt.models import LlamaConfig
-from lightning_llmopt.models.layer_pattern import cla_kv_sources
+from lightning_llmopt.models import LlamaConfig, StaticKVCache
+from lightning_llmopt.models.layer_pattern import cla_kv_sources, kv_producers
 
 PATTERNS = {
     # two local windows (8 and 5, neither a multiple of the block size) and a global layer: 2 local groups
@@ -94,8 +95,6 @@ def test_row_layout_with_groups_matches_full_recompute(name, model_factory, refe
 
 def test_prepare_rows_with_groups_equals_prepare(model_factory, prompts_factory):
     """The eager row inputs (``ModelRunner.prepare_rows``) give the logits of the packed decode step."""
-    import torch
-
     model = model_factory(seed=2, **PATTERNS["groups"])
     engine = _engine(model, graphs=False, enable_prefix_caching=False)
     assert engine.blocks.locals[0].free_blocks()[0] != engine.blocks.allocator.free_blocks()[0]
@@ -172,8 +171,6 @@ def test_group_pool_sizes_turn_savings_into_global_blocks():
     groups = kv_groups(cfg)
     assert [(g.window, g.layers) for g in groups] == [(None, [2]), (5, [1]), (8, [0])]
     config = EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16, enable_prefix_caching=True)
-    import torch
-
     per = 2 * 1 * 2 * 4 * 16 * 4  # k and v, one producer, 2 heads, 4 slots, 16 dims, 4 bytes: 1024
     need5 = 2 * (math.ceil((5 - 1 + 16) / 4) + 1) + 2 * (math.ceil((5 - 1) / 4) + 1) + 1  # 12 + 4 + 1 = 17
     need8 = 2 * (math.ceil((8 - 1 + 16) / 4) + 1) + 2 * (math.ceil((8 - 1) / 4) + 1) + 1  # 14 + 6 + 1 = 21
@@ -194,3 +191,64 @@ def test_engine_num_blocks_override_with_groups(model_factory):
     model = model_factory(**PATTERNS["groups"])
     engine = LLMEngine(model, block_size=4, num_blocks=40, max_num_seqs=2, max_num_batched_tokens=16)
     assert [p.num_blocks for p in engine.pool.pools] == [40, 17, 21]
+
+
+# ---------------------------------------------------------------------------------------------- int8 KV
+class _FakeQuantCache(StaticKVCache):
+    """The reference model's cache rounding every key/value to int8 with the producer's scales and back."""
+
+    def __init__(self, scales, producers, *args) -> None:
+        super().__init__(*args)
+        self.scales, self.row = scales, {layer: r for r, layer in enumerate(producers)}
+
+    def update(self, layer_id, k, v, positions):
+        def qdq(x, s):
+            s = s.view(1, -1, 1, 1)
+            return torch.round(x / s).clamp(-127, 127) * s
+
+        r = self.row[layer_id]
+        return super().update(layer_id, qdq(k, self.scales.k[r]), qdq(v, self.scales.v[r]), positions)
+
+
+@torch.no_grad()
+def _fake_quant_greedy(model, prompt, n, scales):
+    cfg = model.config
+    producers = kv_producers(cfg)
+    cache = _FakeQuantCache(scales, producers, cfg.n_layers, 1, len(prompt) + n, cfg.n_kv_heads, cfg.head_dim)
+    tokens = list(prompt)
+    for t in range(len(prompt) + n - 1):  # one token at a time, as the engine with a budget of 1
+        logits = model(torch.tensor([[tokens[t]]]), positions=torch.tensor([[t]]), kv_cache=cache)
+        if t >= len(prompt) - 1:
+            tokens.append(int(logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["rows", "eager"])
+@pytest.mark.parametrize("name", ["groups", "groups_shared", "cla"])
+def test_int8_kv_equals_fake_quantized_reference(name, graphs, model_factory, prompts_factory):
+    """int8 KV with KV groups and with cross-layer KV sharing: calibrated per-producer scales, and with a one-token
+    budget every step reads all its keys from the int8 pools, so greedy tokens equal the fake-quantized model's."""
+    model = model_factory(seed=1, **PATTERNS[name])
+    engine = _engine(model, graphs=graphs, kv_dtype="int8", max_num_batched_tokens=1)
+    scales = engine.calibrate_kv(prompts_factory([40, 25, 33], 320, seed=2))
+    assert scales.k.shape[0] == len(kv_producers(model.config))  # one row per cached layer
+    pools = getattr(engine.pool, "pools", [engine.pool])
+    assert all(p.data.dtype == torch.int8 for p in pools)
+    prompts = prompts_factory([3, 12, 20], 320, seed=3)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10))
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == _fake_quant_greedy(model, p, 10, scales)
+    _all_back(engine)
+
+
+def test_grouped_int8_scales_follow_producers(model_factory):
+    model = model_factory(**PATTERNS["groups"])
+    engine = LLMEngine(model, block_size=4, num_blocks=32, kv_dtype="int8")
+    with pytest.raises(RuntimeError, match="no calibrated scales"):
+        engine.generate([[1, 2, 3]])
+    scales = KVScales(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), torch.ones(3, 2))
+    engine.pool.set_scales(scales)
+    for slot in range(3):  # producer slot i is layer i here, in group 0 (global), 2 (window 8) or 1 (window 5)
+        assert engine.pool.layer_scales(slot)[0].tolist() == scales.k[slot].tolist()
+    with pytest.raises(ValueError, match=r"scales are \(2, 2\), the pool needs \(3, 2\)"):
+        engine.pool.set_scales(KVScales(torch.ones(2, 2), torch.ones(2, 2)))
