@@ -60,7 +60,7 @@ def _engine(model, graphs=True, **kw) -> LLMEngine:
         width = engine.blocks.blocks_for(engine.max_model_len)
         engine.graphs = _Rows(engine.runner, SIZES, width, engine.max_model_len)
         if engine.spec is not None:
-            engine.spec.device_rounds = False  # as an engine with KV groups does on CUDA (rounds_for)
+            engine.spec.device_rounds = False  # the host path's verify rows (device rounds: below)
     return engine
 
 
@@ -143,6 +143,34 @@ def test_speculative_greedy_equals_plain(name, method, graphs, model_factory, re
     assert engine.stats.spec_verifications > 0
     if graphs:
         assert engine.graphs.multi > 0, "no verify step took the row layout"
+    _all_back(engine)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("name", ["groups", "groups_shared"])
+def test_device_rounds_with_groups(name, k, model_factory, reference, prompts_factory, monkeypatch):
+    """Device-side speculative rounds (``spec_chain``): the verify rows' local blocks come from each group's
+    tables on the device; greedy output equals full recompute over multi-round runs."""
+    import lightning_llmopt.inference.spec_chain as chain
+
+    model = model_factory(seed=6, **PATTERNS[name])
+    draft = model_factory(seed=9, n_layers=1, dim=32, n_heads=2)
+    spec = SpeculativeConfig("draft", draft_model=draft, num_tokens=k, adaptive=False)
+    engine = _engine(model, speculative=spec, max_num_batched_tokens=64)
+    drafter = engine.spec.drafter
+    drafter.graphs = _Rows(drafter.runner, SIZES, drafter.blocks.blocks_for(engine.max_model_len), engine.max_model_len)
+    engine.spec.device_rounds = True
+    runs: list[int] = []
+    real = chain._launch
+
+    def spy(engine_, graph, seqs, k_, rounds, starts):
+        runs.append(rounds)
+        return real(engine_, graph, seqs, k_, rounds, starts)
+
+    monkeypatch.setattr(chain, "_launch", spy)
+    prompts = prompts_factory([2, 9, 15, 24], 320, seed=7)
+    _check(engine, model, reference, prompts, [m + 3 * k for m in (16, 12, 18, 10)])
+    assert runs and max(runs) > 1, "no multi-round device run"
     _all_back(engine)
 
 
