@@ -115,8 +115,6 @@ class ModelRunner:
 
             fused = self.device.type == "cuda" and triton_available() and backend != "reference"
             fused = fused and getattr(self.cfg, "moe", None) is None  # the fused path knows dense SwiGLU blocks only
-            fused = fused and self.cfg.kv_sources is None  # and layers that compute their own K/V
-            fused = fused and not isinstance(pool, GroupedPool)  # and one pool
         self.fused = fused
         self.linear = None
         if fused:

@@ -19,6 +19,7 @@ from lightning_llmopt.inference.kv_groups import group_blocks, kv_groups
 from lightning_llmopt.inference.speculative import SpeculativeConfig
 from lightning_llmopt.models import LlamaConfig, StaticKVCache
 from lightning_llmopt.models.layer_pattern import cla_kv_sources, kv_producers
+from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
 
 PATTERNS = {
     # two local windows (8 and 5, neither a multiple of the block size) and a global layer: 2 local groups
@@ -280,3 +281,27 @@ def test_grouped_int8_scales_follow_producers(model_factory):
         assert engine.pool.layer_scales(slot)[0].tolist() == scales.k[slot].tolist()
     with pytest.raises(ValueError, match=r"scales are \(2, 2\), the pool needs \(3, 2\)"):
         engine.pool.set_scales(KVScales(torch.ones(2, 2), torch.ones(2, 2)))
+
+
+# ---------------------------------------------------------------------------------------------- fused path
+@pytest.mark.skipif(
+    not triton_available() or not (torch.cuda.is_available() or triton_interpreter_enabled()),
+    reason="needs triton (and TRITON_INTERPRET=1 without CUDA)",
+)
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
+@pytest.mark.parametrize("name", ["groups", "groups_shared", "cla"])
+def test_fused_kernels_with_groups_and_shared_kv(name, model_factory, reference, prompts_factory):
+    """The fused decode path (Triton norm/RoPE-store/SiLU kernels and GEMVs; interpreter on CPU): each producer
+    stores into its group's pool at its group's blocks, a reader rotates its queries only and attends over its
+    source's keys; greedy equals full recompute, eagerly and through the graph row layout, at batch 1 with every
+    product through the fused GEMVs."""
+    model = model_factory(seed=6, **PATTERNS[name])
+    prompts = prompts_factory([1, 14, 11], 320, seed=10)
+    for graphs in (False, True):
+        engine = _engine(model, graphs=graphs, attention_backend="triton", fused_kernels=True, decode_steps=3)
+        assert engine.runner.fused
+        _check(engine, model, reference, prompts, [10, 10, 10])
+        engine.runner.linear.force = True  # batch 1: norm + q(/k/v) and norm + gate/up each one launch
+        _check(engine, model, reference, prompts[1:2], [8])
+        assert engine.runner.linear.fused_calls > 0
+        _all_back(engine)
