@@ -289,19 +289,20 @@ def test_grouped_int8_scales_follow_producers(model_factory):
     reason="needs triton (and TRITON_INTERPRET=1 without CUDA)",
 )
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
-@pytest.mark.parametrize("name", ["groups", "groups_shared", "cla"])
-def test_fused_kernels_with_groups_and_shared_kv(name, model_factory, reference, prompts_factory):
+@pytest.mark.parametrize(("name", "graphs"), [("groups", True), ("groups_shared", False), ("cla", True)])
+def test_fused_kernels_with_groups_and_shared_kv(name, graphs, model_factory, reference, prompts_factory):
     """The fused decode path (Triton norm/RoPE-store/SiLU kernels and GEMVs; interpreter on CPU): each producer
     stores into its group's pool at its group's blocks, a reader rotates its queries only and attends over its
-    source's keys; greedy equals full recompute, eagerly and through the graph row layout, at batch 1 with every
-    product through the fused GEMVs."""
-    model = model_factory(seed=6, **PATTERNS[name])
-    prompts = prompts_factory([1, 14, 11], 320, seed=10)
-    for graphs in (False, True):
-        engine = _engine(model, graphs=graphs, attention_backend="triton", fused_kernels=True, decode_steps=3)
-        assert engine.runner.fused
-        _check(engine, model, reference, prompts, [10, 10, 10])
-        engine.runner.linear.force = True  # batch 1: norm + q(/k/v) and norm + gate/up each one launch
-        _check(engine, model, reference, prompts[1:2], [8])
-        assert engine.runner.linear.fused_calls > 0
-        _all_back(engine)
+    source's keys; greedy equals full recompute (eagerly or through the graph row layout with multi-step runs),
+    then at batch 1 with every product through the fused GEMVs."""
+    model = model_factory(seed=6, dim=32, n_heads=2, **PATTERNS[name])
+    prompts = prompts_factory([1, 12], 320, seed=10)
+    engine = _engine(model, graphs=graphs, attention_backend="triton", fused_kernels=True, decode_steps=3)
+    assert engine.runner.fused
+    _check(engine, model, reference, prompts, [9, 9])
+    engine.runner.linear.force = True  # batch 1: norm + q(/k/v) and norm + gate/up each one launch
+    _check(engine, model, reference, [prompts[1] + [3]], [6])
+    assert engine.runner.linear.fused_calls > 0
+    if graphs:
+        assert engine.graphs.steps > 0 and engine.graphs.chained > 0
+    _all_back(engine)
