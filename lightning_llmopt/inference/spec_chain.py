@@ -220,7 +220,7 @@ class RoundGraph:
 
     def load_tables(self, seqs: list[Seq], draft_tables: list[list[int]]) -> None:
         """Stage the block tables only (a run that continues the state the previous run left on the device)."""
-        pad = [[]] * (self.B - len(seqs))
+        pad: list[list[int]] = [[]] * (self.B - len(seqs))
         draft_tables = draft_tables + pad
         target_tables = [s.block_table for s in seqs] + pad
         rows = draft_tables * 2 + draft_tables * (self.k - 1) + target_tables * (self.k + 1)
