@@ -11,8 +11,8 @@ prompts fill ``context`` tokens, then ``steps`` greedy decode steps timed (media
 
 Recorded per variant: ``decode_tok_s``, the pool's bytes and the blocks the running sequences hold after the
 prefill (``pool_used_gib``: blocks in use x bytes per block of their group), and the parameter count. Ratios are
-against ``all-global`` measured in the same process. CUDA graphs are off for ``local5-global1`` (the engine does
-not capture graphs for KV groups yet) and on for the others; the record says so.
+against ``all-global`` measured in the same process. Every variant runs with CUDA graphs and the fused decode path
+(KV groups included); the record says whether graphs were captured.
 
 Usage: ``python benchmarks/bench_layer_patterns.py`` (GPU; records in benchmarks/results/layer-patterns-*.json);
 ``--smoke`` checks the code path on CPU with the ``tiny`` preset (records in a temporary folder).

@@ -6,7 +6,8 @@
 The model is Gemma-3-like (five local layers with a window of 16 keys, then a global one) with cross-layer KV
 sharing in the first four (layers 1 and 3 read the keys/values of layers 0 and 2). It trains a few steps, then the
 engine serves it: its greedy tokens are checked against full recompute through the model, and its pools are
-printed (global producers: every block; local producers: their window only).
+printed (global producers: every block; local producers: their window only). The same requests then go through
+the CUDA-graph row layout with multi-step decoding, and through speculative decoding (an int8 copy drafting).
 """
 
 from __future__ import annotations
@@ -96,8 +97,31 @@ def main() -> None:
         f"local blocks: 4 sequences x {per_seq} + 4 cached windows x {cached} + the null block = "
         f"{4 * per_seq + 4 * cached + 1}"
     )
+    fast_paths(model, prompts, bs)
     print()
     print(table())
+
+
+def fast_paths(model: Llama, prompts: list[list[int]], bs: int) -> None:
+    """The same requests through the CUDA-graph row layout (captured on a GPU; off it, ``capture=False`` runs the
+    same static buffers eagerly) with four greedy steps per round trip, then with speculative decoding (an int8 copy
+    of the model drafting)."""
+    from lightning_llmopt.inference.cuda_graphs import DecodeGraphs
+    from lightning_llmopt.inference.speculative import SpeculativeConfig
+
+    refs = [greedy_generate(model, torch.tensor([p]), 24, use_cache=False)[0, len(p) :].tolist() for p in prompts]
+    spec = SpeculativeConfig("self_quantized", quant_bits=8, num_tokens=3, adaptive=False)
+    for name, extra in (("graph rows, decode_steps=4", dict(decode_steps=4)), ("speculative", dict(speculative=spec))):
+        engine = LLMEngine(model, block_size=bs, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=32, **extra)
+        if engine.graphs is None:  # off the GPU: the graphs' layout, run eagerly
+            width = engine.blocks.blocks_for(engine.max_model_len)
+            engine.graphs = DecodeGraphs(engine.runner, (1, 2, 4, 8, 16), width, engine.max_model_len, capture=False)
+            if engine.spec is not None:
+                engine.spec.device_rounds = False
+        outs = engine.generate(prompts, SamplingParams(max_tokens=24))
+        assert [o.token_ids for o in outs] == refs, f"{name}: engine and full recompute disagree"
+        st = engine.stats
+        print(f"{name}: greedy == full recompute ({st.steps} steps, {st.spec_verifications} verifications)")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,14 @@ the CPU launch cost between them (gpt-fast gets the same effect from ``torch.com
   :meth:`DecodeGraphs.run` returns the rows :meth:`ModelRunner.forward` would.
 - ``capture=False`` (and any non-CUDA device) runs the same static-buffer step eagerly: the row layout and the
   selection of logits are then checked on the CPU.
+- KV groups (producers with different windows): each local group's key blocks are extra rows of the row buffer
+  (``meta[5 + g]``) and its block tables a table buffer of their own (``all_tables[1 + g]``), padded like group
+  0's (:mod:`~lightning_llmopt.inference.kv_group_rows`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_llmopt.inference.kv_group_rows import group_rows
+from lightning_llmopt.inference.kv_groups import GroupedPool
 from lightning_llmopt.inference.runner import ModelRunner, StepInputs, decode_rows, sampled_rows, to_device
 from lightning_llmopt.inference.scheduler import Work
 
@@ -104,14 +110,18 @@ class DecodeGraphs:
         self.max_context = max_context
         dev = runner.device
         b = self.max_batch
+        pool = runner.pool
+        self.n_local = len(pool.pools) - 1 if isinstance(pool, GroupedPool) else 0  # KV groups past group 0
+        m = 5 + self.n_local
         # one device buffer for the per-row inputs, so a step needs one host-to-device copy (plus the tables)
-        self.meta = torch.zeros(5, b, dtype=torch.long, device=dev)
-        self.ids, self.pos, self.blocks, self.slots, self.ctx = self.meta.unbind(0)
-        self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
+        self.meta = torch.zeros(m, b, dtype=torch.long, device=dev)
+        self.ids, self.pos, self.blocks, self.slots, self.ctx = self.meta[:5].unbind(0)
+        self.all_tables = torch.zeros(1 + self.n_local, b, max_blocks, dtype=torch.int32, device=dev)
+        self.tables = self.all_tables[0]
         self.rows = torch.arange(b, dtype=torch.long, device=dev)
         pin = runner.device.type == "cuda"
-        self._staging = torch.zeros(5, b, dtype=torch.long, pin_memory=pin)
-        self._table_staging = torch.zeros(b, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._staging = torch.zeros(m, b, dtype=torch.long, pin_memory=pin)
+        self._table_staging = torch.zeros(1 + self.n_local, b, max_blocks, dtype=torch.int32, pin_memory=pin)
         self._chain_staging: Tensor | None = None  # stage_chain's pinned rows (P, 5, max_batch) and tables
         self._chain_tables: Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -133,7 +143,7 @@ class DecodeGraphs:
         return bool(work) and all(self.serves(w) for w in work) and self.fits(sum(w.num_tokens for w in work))
 
     def _inputs(self, b: int) -> StepInputs:
-        return StepInputs(
+        inp = StepInputs(
             input_ids=self.ids[:b],
             positions=self.pos[:b],
             blocks=self.blocks[:b],
@@ -144,6 +154,22 @@ class DecodeGraphs:
             dec_max_ctx=self.max_context,
             logits_idx=self.rows[:b],
         )
+        if self.n_local:  # each local group: its key blocks and tables, the same positions, slots and contexts
+            local = [
+                dataclasses.replace(inp, blocks=self.meta[5 + g, :b], dec_tables=self.all_tables[1 + g, :b])
+                for g in range(self.n_local)
+            ]
+            inp.groups = [inp, *local]
+        return inp
+
+    def row_layout(self, work: list[Work]) -> tuple[np.ndarray, list[list[list[int]]]]:
+        """:func:`decode_rows` of ``work`` with each local group's block row appended (``(5 + n_local, R)``), and
+        each row's block table per group (group 0 first)."""
+        rows, tables = decode_rows(work, self.runner.block_size)
+        if not self.n_local:
+            return rows, [tables]
+        blocks, local = group_rows(work, self.runner.block_size, self.n_local)
+        return np.concatenate([rows, blocks]), [tables, *local]
 
     def _capture(self, b: int) -> None:
         inp = self._inputs(b)
@@ -180,19 +206,24 @@ class DecodeGraphs:
 
         The staging buffers are reused every step: safe because sampling reads the previous step's logits on the
         host, which waits for everything queued before, these copies included."""
-        rows, tables = decode_rows(work, self.runner.block_size)
+        rows, tables = self.row_layout(work)
         n = rows.shape[1]
         stage = self._staging.numpy()
         stage[:, :b] = 0  # padding rows: token 0 at position 0, null block slot 0, context 0
         stage[:, :n] = rows
-        tab = self._table_staging.numpy()
-        widest = 1
-        for r, table in enumerate(tables):
-            tab[r, : len(table)] = table
-            widest = max(widest, len(table))
         self.meta[:, :b].copy_(self._staging[:, :b], non_blocking=True)
-        self.tables[:n, :widest].copy_(self._table_staging[:n, :widest], non_blocking=True)
+        self._copy_tables(tables, self._table_staging)
         return n
+
+    def _copy_tables(self, tables: list[list[list[int]]], staging: Tensor) -> None:
+        """Each group's row tables (group 0 first) into the static table buffers through ``staging``."""
+        tab = staging.numpy()
+        widest = max([1, *(len(t) for t in tables[0])])  # the groups' tables are aligned with group 0's
+        for g, group in enumerate(tables):
+            for r, table in enumerate(group):
+                tab[g, r, : len(table)] = table
+        n = len(tables[0])
+        self.all_tables[:, :n, :widest].copy_(staging[:, :n, :widest], non_blocking=True)
 
     def _step(self, b: int) -> Tensor:
         """Logits of the step the static buffers hold for ``b`` rows: the graph's replay (captured on first use), or
@@ -225,35 +256,40 @@ class DecodeGraphs:
         """The captured row count a step of ``n`` rows runs at (``n <= max_batch``)."""
         return next(s for s in self.sizes if s >= n)
 
-    def load_tables(self, tables: list[list[int]]) -> None:
-        """Put one block table per row (rows ``0 .. len(tables) - 1``) into the static table buffer, through the
-        chain's own pinned buffer (reused by the next chain or :meth:`load_tables`: the caller synchronises with the
-        host in between, reading the chain's tokens)."""
+    def load_tables(self, tables: list[list[int]], local: list[list[list[int]]] | None = None) -> None:
+        """Put one block table per row (rows ``0 .. len(tables) - 1``) into the static table buffer (and, with KV
+        groups, ``local[g]``: the rows' tables of local group ``g``), through the chain's own pinned buffer (reused
+        by the next chain or :meth:`load_tables`: the caller synchronises with the host in between, reading the
+        chain's tokens)."""
+        if len(local or []) != self.n_local:
+            raise ValueError(f"{len(local or [])} local groups' tables given, the graphs have {self.n_local}")
         if self._chain_tables is None:
             pin = self.runner.device.type == "cuda"
-            self._chain_tables = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.int32, pin_memory=pin)
-        tab = self._chain_tables.numpy()
-        widest = max([1, *(len(t) for t in tables)])
-        for r, table in enumerate(tables):
-            tab[r, : len(table)] = table
-        n = len(tables)
-        self.tables[:n, :widest].copy_(self._chain_tables[:n, :widest], non_blocking=True)
+            shape = (1 + self.n_local, self.max_batch, self.max_blocks)
+            self._chain_tables = torch.zeros(*shape, dtype=torch.int32, pin_memory=pin)
+        self._copy_tables([tables, *(local or [])], self._chain_tables)
 
-    def stage_chain(self, passes: list[np.ndarray], tables: list[list[int]]) -> Tensor:
+    def stage_chain(
+        self, passes: list[np.ndarray], tables: list[list[int]], local: list[list[list[int]]] | None = None
+    ) -> Tensor:
         """Upload the inputs of a chain of steps over the same ``n`` single-token rows: ``passes`` (each ``(5, n)``,
-        the :func:`decode_rows` layout) in one copy, and the rows' block tables (one per row, shared by every pass)
-        into the static table buffer (:meth:`load_tables`). Returns ``(P, 5, b)`` device rows for :meth:`replay_rows`
-        (``b`` the captured size for ``n``; padding rows zero)."""
+        the :func:`decode_rows` layout; with KV groups ``(5 + n_local, n)``, :meth:`rows`) in one copy, and the
+        rows' block tables (one per row, shared by every pass; ``local``: those of each local group) into the
+        static table buffers (:meth:`load_tables`). Returns ``(P, 5 + n_local, b)`` device rows for
+        :meth:`replay_rows` (``b`` the captured size for ``n``; padding rows zero)."""
         n, P = len(tables), len(passes)
         b = self.size_for(n)
+        m = 5 + self.n_local
+        if any(rows.shape[0] != m for rows in passes):
+            raise ValueError(f"passes have {[r.shape[0] for r in passes]} rows each, the graphs take {m}")
         pin = self.runner.device.type == "cuda"
         if self._chain_staging is None or self._chain_staging.shape[0] < P:
-            self._chain_staging = torch.zeros(P, 5, self.max_batch, dtype=torch.long, pin_memory=pin)
+            self._chain_staging = torch.zeros(P, m, self.max_batch, dtype=torch.long, pin_memory=pin)
         stage = self._chain_staging.numpy()
         stage[:P, :, :b] = 0
         for j, rows in enumerate(passes):
             stage[j, :, :n] = rows
-        self.load_tables(tables)
+        self.load_tables(tables, local)
         return self._chain_staging[:P, :, :b].to(self.runner.device, non_blocking=True)
 
     def replay_rows(self, meta: Tensor, n: int, ids: Tensor | None = None) -> Tensor:

@@ -46,8 +46,12 @@ class FusedRunner(Protocol):
     (handed in, so this module does not import the runner above it)."""
 
     model: Llama
+    cfg: Any
     linear: Any
     pool: KVPool
+    slot: list[int]
+
+    def _inputs_for(self, inp: StepInputs, layer: int) -> StepInputs: ...
 
     def attention(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, inp: StepInputs, max_context: int | None = None
@@ -270,15 +274,25 @@ def fused_forward(runner: FusedRunner, inp: StepInputs, max_context: int | None 
     delta: Tensor | None = None
     pool = runner.pool
     block: Any
+    step_kv: dict[int, tuple[Tensor, Tensor]] = {}  # cross-layer KV sharing: this step's K/V of each producer
     for i, block in enumerate(model.layers.values()):
         attn = block.attention
         N, D = res.shape[0], attn.head_dim
-        # norm, q, k and v in one launch where that is faster (a few rows; more take add_rms_norm and cuBLAS)
-        qkv, res = lin.norm_qkv(res, delta, block.attention_norm, (attn.wq, attn.wk, attn.wv))
-        q, k, v = (t.view(N, -1, D) for t in qkv)  # (N, H, D), (N, H_kv, D), (N, H_kv, D)
-        kc, vc = pool.layer(i)
-        ks, vs = pool.layer_scales(i)
-        rope_store(q, k, v, inp.positions, model.rope, inp.blocks, inp.slots, kc, vc, ks, vs)
+        src, slot = runner.cfg.kv_source(i), runner.slot[i]  # the pool slot of its K/V (KV groups: of its group)
+        kc, vc = pool.layer(slot)
+        ks, vs = pool.layer_scales(slot)
+        ginp = runner._inputs_for(inp, i)
+        if src == i:
+            # norm, q, k and v in one launch where that is faster (a few rows; more take add_rms_norm and cuBLAS)
+            qkv, res = lin.norm_qkv(res, delta, block.attention_norm, (attn.wq, attn.wk, attn.wv))
+            q, k, v = (t.view(N, -1, D) for t in qkv)  # (N, H, D), (N, H_kv, D), (N, H_kv, D)
+            rope_store(q, k, v, inp.positions, model.rope, ginp.blocks, ginp.slots, kc, vc, ks, vs)
+            step_kv[i] = (k, v)
+        else:  # a reader: its queries only (rotated: no key heads, nothing stored), its source's K/V
+            (q,), res = lin.norm_qkv(res, delta, block.attention_norm, (attn.wq,))
+            q = q.view(N, -1, D)
+            rope_store(q, q[:, :0], q[:, :0], inp.positions, model.rope, ginp.blocks, ginp.slots, kc, vc, ks, vs)
+            k, v = step_kv[src]
         o = runner.attention(i, q, k, v, inp, max_context)
         a = lin(o.reshape(N, -1), attn.wo)
         ff = block.feed_forward

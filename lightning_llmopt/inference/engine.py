@@ -90,8 +90,6 @@ class LLMEngine(EngineOutputs):
         if self.device.type == "cuda":
             watch_triton(startup)
         startup.mark("kv pool")
-        if cfg.kv_sources is not None and kv_dtype == torch.int8:
-            raise ValueError("kv_dtype='int8' is not supported with kv_sources (cross-layer KV sharing) yet")
         self.pool: KVPool | GroupedPool
         if cfg.mla is not None:  # multi-head latent attention: a latent pool and the absorbed-form runner
             from lightning_llmopt.inference import mla_cache
@@ -102,9 +100,6 @@ class LLMEngine(EngineOutputs):
         else:
             # the layers that compute K/V only (cross-layer KV sharing); a pool per window when local and global mix
             self.pool, self.blocks = make_kv(cfg, config, self.max_model_len, self.device, kv_dtype)
-        grouped = isinstance(self.pool, GroupedPool)
-        if grouped and config.speculative is not None:
-            raise ValueError("speculative decoding is not supported with KV groups (producers with different windows)")
         if kv_scales is not None:
             self.pool.set_scales(kv_scales)  # type: ignore[union-attr]
         self.prefix_cache: RadixCache | None = None
@@ -130,7 +125,7 @@ class LLMEngine(EngineOutputs):
         self.graphs = None
         spec_tokens = config.speculative.num_tokens if config.speculative is not None else 0
         sizes = graph_sizes(config.graph_batch_sizes, config.max_num_seqs, spec_tokens)
-        if config.cuda_graphs and self.device.type == "cuda" and sizes and not grouped:  # graphs: one pool only
+        if config.cuda_graphs and self.device.type == "cuda" and sizes:  # KV groups: static inputs per group
             width = self.blocks.blocks_for(self.max_model_len)
             self.graphs = DecodeGraphs(self.runner, sizes, width, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

@@ -74,8 +74,8 @@ def group_blocks(
 
 class GroupedPool(KVPool):
     """The KV pools of every group behind the :class:`KVPool` calls the runner makes, indexed by producer slot
-    (the producer's rank among all producers, as with one pool). It owns no storage of its own (no ``data``);
-    int8 storage is not supported.
+    (the producer's rank among all producers, as with one pool). It owns no storage of its own (no ``data``); int8
+    scales (one row per producer slot) are handed to the groups' pools row by row.
 
     Arguments:
         groups: the groups (:func:`kv_groups`).
@@ -103,17 +103,25 @@ class GroupedPool(KVPool):
         return sum(p.nbytes for p in self.pools)
 
     def check_ready(self) -> None:
-        pass
+        for pool in self.pools:
+            pool.check_ready()
 
     def set_scales(self, scales: Any) -> None:
-        raise ValueError("int8 KV scales are not supported with KV groups (producers with different windows)")
+        """int8 scales ``(producers, n_kv_heads)`` in producer-slot order: each group's pool gets its layers' rows."""
+        if tuple(scales.k.shape) != (self.n_layers, self.n_kv_heads):
+            raise ValueError(f"scales are {tuple(scales.k.shape)}, the pool needs ({self.n_layers}, {self.n_kv_heads})")
+        for g, pool in enumerate(self.pools):
+            rows = [slot for _, slot in sorted((i, slot) for slot, (gi, i) in enumerate(self.where) if gi == g)]
+            pool.set_scales(type(scales)(scales.k[rows], scales.v[rows]))
+        self.scales = scales
 
     def layer(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         g, i = self.where[slot]
         return self.pools[g].layer(i)
 
     def layer_scales(self, slot: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return None, None
+        g, i = self.where[slot]
+        return self.pools[g].layer_scales(i)
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor) -> None:
         g, i = self.where[slot]
@@ -373,25 +381,22 @@ def make_kv(
     from lightning_llmopt.inference.kv_pool import pool_blocks
 
     groups = kv_groups(model_cfg)
-    num_blocks = pool_blocks(model_cfg, config, max_model_len, device, kv_dtype)
     shape = (model_cfg.n_kv_heads, model_cfg.head_dim)
     if len(groups) == 1:
+        num_blocks = pool_blocks(model_cfg, config, max_model_len, device, kv_dtype)
         pool = KVPool(len(groups[0].layers), *shape, num_blocks, config.block_size, kv_dtype, device)
         return pool, BlockManager(num_blocks, config.block_size)
-    if kv_dtype == torch.int8:
-        raise ValueError("kv_dtype='int8' is not supported with KV groups (producers with different windows) yet")
+    from lightning_llmopt.inference.kv_group_sizing import group_pool_sizes
+    from lightning_llmopt.inference.kv_pool import kv_budget_bytes, useful_blocks
+
     windows = [g.window for g in groups[1:] if g.window is not None]
-    sizes = [
-        group_blocks(
-            w,
-            config.block_size,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            num_blocks,
-            config.enable_prefix_caching,
-        )
-        for w in windows
-    ]  # type: ignore[arg-type]
+    budget = None
+    if config.num_blocks is None and device.type == "cuda":  # the local groups' savings become global blocks
+        budget = kv_budget_bytes(device, config.gpu_memory_fraction, int(config.reserve_gib * 2**30))
+        num_blocks = useful_blocks(config, max_model_len)
+    else:  # num_blocks, or the CPU default, for group 0; the local groups their need
+        num_blocks = pool_blocks(model_cfg, config, max_model_len, device, kv_dtype)
+    num_blocks, *sizes = group_pool_sizes(groups, model_cfg, config, kv_dtype, num_blocks, budget)
     manager = GroupedBlockManager(num_blocks, config.block_size, windows, sizes)  # type: ignore[arg-type]
     pools = [
         KVPool(len(g.layers), *shape, n, config.block_size, kv_dtype, device)

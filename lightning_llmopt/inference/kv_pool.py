@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["KVPool", "KVScales", "block_bytes", "blocks_from_free_memory", "pool_blocks"]
+__all__ = ["KVPool", "KVScales", "block_bytes", "blocks_from_free_memory", "kv_budget_bytes", "pool_blocks"]
 
 
 @dataclass
@@ -57,10 +57,16 @@ def block_bytes(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, 
     return 2 * n_layers * n_kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def kv_budget_bytes(device: torch.device, fraction: float, reserve_bytes: int) -> int:
+    """Bytes the KV cache may take: ``fraction`` of the free memory of ``device`` minus ``reserve_bytes``."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * fraction) - reserve_bytes
+
+
 def blocks_from_free_memory(device: torch.device, per_block: int, fraction: float, reserve_bytes: int) -> int:
     """How many blocks fit in ``fraction`` of the free memory of ``device`` minus ``reserve_bytes``."""
     free, _ = torch.cuda.mem_get_info(device)
-    usable = int(free * fraction) - reserve_bytes
+    usable = kv_budget_bytes(device, fraction, reserve_bytes)
     if usable < 2 * per_block:
         raise RuntimeError(
             f"only {free / 2**30:.2f} GiB free on {device}: not enough for a KV cache of blocks of "
@@ -69,11 +75,16 @@ def blocks_from_free_memory(device: torch.device, per_block: int, fraction: floa
     return usable // per_block
 
 
+def useful_blocks(config: Any, max_model_len: int) -> int:
+    """The most blocks worth having: four full-length contexts per sequence slot, and the null block."""
+    return 4 * config.max_num_seqs * math.ceil(max_model_len / config.block_size) + 1
+
+
 def pool_blocks(model_cfg: Any, config: Any, max_model_len: int, device: torch.device, kv_dtype: torch.dtype) -> int:
     """The engine's pool size: ``config.num_blocks`` when set; else what fits in free GPU memory
     (``gpu_memory_fraction`` of it, minus ``reserve_gib``), at most four full-length contexts per sequence slot (and
     at most 4,096 blocks off the GPU)."""
-    useful = 4 * config.max_num_seqs * math.ceil(max_model_len / config.block_size) + 1
+    useful = useful_blocks(config, max_model_len)
     if config.num_blocks is not None:
         return config.num_blocks
     if device.type != "cuda":

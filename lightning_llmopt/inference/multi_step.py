@@ -30,7 +30,6 @@ import torch
 
 from lightning_llmopt.inference.block_manager import OutOfBlocks
 from lightning_llmopt.inference.request import StreamEvent, now
-from lightning_llmopt.inference.runner import decode_rows
 from lightning_llmopt.inference.scheduler import Schedule, Work
 
 if TYPE_CHECKING:
@@ -90,11 +89,12 @@ def greedy_steps(engine: EngineCore, work: list[Work], k: int) -> list[StreamEve
     lengths = [len(seq.tokens) for seq in seqs]
     for seq in seqs:  # placeholders: the rows of later steps read positions and slots, not tokens
         seq.tokens.extend([0] * (k - 1))
-    size = engine.blocks.block_size
-    passes = [decode_rows([Work(s, p + j, 1) for s, p in zip(seqs, starts, strict=True)], size)[0] for j in range(k)]
+    # rows of every step (with KV groups, each local group's key blocks too: DecodeGraphs.row_layout)
+    passes = [graphs.row_layout([Work(s, p + j, 1) for s, p in zip(seqs, starts, strict=True)])[0] for j in range(k)]
     for seq, n in zip(seqs, lengths, strict=True):
         del seq.tokens[n:]
-    metas = graphs.stage_chain(passes, [seq.block_table for seq in seqs])
+    local = [[seq.group_tables[g] for seq in seqs] for g in range(graphs.n_local)]  # type: ignore[attr-defined]
+    metas = graphs.stage_chain(passes, [seq.block_table for seq in seqs], local)
     picks: list[torch.Tensor] = []
     for j in range(k):
         logits = graphs.replay_rows(metas[j], len(seqs), ids=picks[-1] if picks else None)

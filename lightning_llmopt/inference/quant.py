@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llmopt.inference.kv_pool import KVScales
+from lightning_llmopt.models.layer_pattern import kv_producers
 
 __all__ = ["ObservingKVCache", "calibrate_kv_scales"]
 
@@ -43,6 +44,9 @@ class ObservingKVCache:
 def calibrate_kv_scales(model: nn.Module, prompts: Iterable[Sequence[int]], margin: float = 1.0) -> KVScales:
     """Per-(layer, head) int8 scales from the keys/values the model produces on ``prompts`` (lists of token ids).
 
+    With cross-layer KV sharing (``kv_sources``) only producing layers are cached: the scales then have one row per
+    producer (in layer order, the engine pool's layout), readers having no keys/values of their own.
+
     Raises ``ValueError`` when no prompt is given or a head never produced a non-zero value (its scale would be
     undefined; no unit-scale fallback).
     """
@@ -61,10 +65,12 @@ def calibrate_kv_scales(model: nn.Module, prompts: Iterable[Sequence[int]], marg
         count += 1
     if count == 0:
         raise ValueError("calibrate_kv_scales needs at least one non-empty prompt")
+    producers = kv_producers(cfg) if getattr(cfg, "kv_sources", None) is not None else list(range(cfg.n_layers))
+    obs.k_absmax, obs.v_absmax = obs.k_absmax[producers], obs.v_absmax[producers]
     for name, amax in (("key", obs.k_absmax), ("value", obs.v_absmax)):
         zero = (amax <= 0).nonzero()
         if len(zero):
-            layer, head = (int(i) for i in zero[0])
+            layer, head = producers[int(zero[0][0])], int(zero[0][1])
             raise ValueError(
                 f"calibration saw only zero {name}s for layer {layer}, head {head}: no scale can be "
                 "derived (use more varied prompts)"

@@ -13,12 +13,14 @@ kernels (:mod:`~lightning_llmopt.inference.decode_kernels`); on CPU plain PyTorc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_llmopt.inference.kv_group_rows import group_rows
 from lightning_llmopt.inference.kv_groups import GroupedPool, group_inputs
 from lightning_llmopt.inference.kv_pool import KVPool
 from lightning_llmopt.inference.scheduler import Work
@@ -113,8 +115,6 @@ class ModelRunner:
 
             fused = self.device.type == "cuda" and triton_available() and backend != "reference"
             fused = fused and getattr(self.cfg, "moe", None) is None  # the fused path knows dense SwiGLU blocks only
-            fused = fused and self.cfg.kv_sources is None  # and layers that compute their own K/V
-            fused = fused and not isinstance(pool, GroupedPool)  # and one pool
         self.fused = fused
         self.linear = None
         if fused:
@@ -187,26 +187,37 @@ class ModelRunner:
         """Pack ``work`` (any order) as decode rows only (:func:`decode_rows`): paged attention for every token,
         logits for every row. The layout :class:`~lightning_llmopt.inference.cuda_graphs.DecodeGraphs` replays;
         eager here for checks on any device."""
-        if isinstance(self.pool, GroupedPool):
-            raise NotImplementedError("decode rows (CUDA graphs, speculative decoding) do not support KV groups yet")
         rows, tables = decode_rows(work, self.block_size)
         n = rows.shape[1]
-        width = max((len(t) for t in tables), default=1)
-        tab = np.zeros((n, max(width, 1)), dtype=np.int32)
-        for r, t in enumerate(tables):
-            tab[r, : len(t)] = t
         meta = to_device(torch.from_numpy(rows), self.device)
-        return StepInputs(
+        inp = StepInputs(
             input_ids=meta[0],
             positions=meta[1],
             blocks=meta[2],
             slots=meta[3],
             num_decode=n,
-            dec_tables=to_device(torch.from_numpy(tab), self.device),
+            dec_tables=self._row_tables(tables),
             dec_ctx=meta[4].to(torch.int32),
             dec_max_ctx=int(rows[4].max()) if n else 1,
             logits_idx=torch.arange(n, device=self.device),
         )
+        if isinstance(self.pool, GroupedPool):  # KV groups: each local group's key blocks and tables, same rows
+            n_local = len(self.pool.pools) - 1
+            blocks, local = group_rows(work, self.block_size, n_local)
+            dev_blocks = to_device(torch.from_numpy(blocks), self.device)
+            inp.groups = [inp] + [
+                dataclasses.replace(inp, blocks=dev_blocks[g], dec_tables=self._row_tables(local[g]))
+                for g in range(n_local)
+            ]
+        return inp
+
+    def _row_tables(self, tables: list[list[int]]) -> Tensor:
+        """One block table per row, zero-padded to the widest, on the device."""
+        width = max((len(t) for t in tables), default=1)
+        tab = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+        for r, t in enumerate(tables):
+            tab[r, : len(t)] = t
+        return to_device(torch.from_numpy(tab), self.device)
 
     def _segments(self, pre: list[Work], inp: StepInputs) -> None:
         """Fill the prefill segment fields of ``inp`` (layout in :class:`StepInputs`)."""

@@ -33,6 +33,7 @@ the same rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -111,7 +112,8 @@ class RoundGraph:
     kernels: the draft's first pass (``2B`` rows: the last two tokens), its later passes (``B`` rows each) and the
     verify pass (``(k + 1) B`` rows, token-major). Each ``argmax`` writes its tokens straight into the verify rows,
     which the next draft pass reads as its tokens. Column ``c`` is sequence ``seq[c]`` at position
-    ``L[seq[c]] + offset[c]``."""
+    ``L[seq[c]] + offset[c]``. A target with KV groups gets the verify rows' key blocks of each local group
+    (:attr:`local_blocks`) from that group's tables (:attr:`local_tables`) the same way."""
 
     def __init__(self, engine: EngineCore, B: int, k: int) -> None:
         assert engine.spec is not None and engine.graphs is not None
@@ -129,6 +131,9 @@ class RoundGraph:
         self.meta = torch.zeros(5, R, dtype=torch.long, device=dev)
         self.tables = torch.zeros(R, width, dtype=torch.int32, device=dev)
         self.cols = torch.arange(R, device=dev)
+        n_local, V = engine.graphs.n_local, R - self.v0  # KV groups of the target: its verify rows' local blocks
+        self.local_tables = torch.zeros(n_local, V, engine.graphs.max_blocks, dtype=torch.int32, device=dev)
+        self.local_blocks = torch.zeros(n_local, V, dtype=torch.long, device=dev)
         ctx = engine.graphs.max_context
 
         def inputs(lo: int, hi: int, ids: Tensor) -> StepInputs:
@@ -140,7 +145,14 @@ class RoundGraph:
         for j in range(1, k):  # pass j feeds d_j, the verify pass's token row j
             lo = 2 * B + (j - 1) * B
             self.passes.append((drafter.runner, inputs(lo, lo + B, ids[self.v0 + j * B : self.v0 + (j + 1) * B])))
-        self.passes.append((engine.runner, inputs(self.v0, R, ids[self.v0 :])))
+        verify = inputs(self.v0, R, ids[self.v0 :])
+        if n_local:
+            local = [
+                dataclasses.replace(verify, blocks=self.local_blocks[g], dec_tables=self.local_tables[g])
+                for g in range(n_local)
+            ]
+            verify.groups = [verify, *local]
+        self.passes.append((engine.runner, verify))
         self.state = torch.zeros(3, B, dtype=torch.long, device=dev)
         self.out = torch.zeros(k + 2, B, dtype=torch.long, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -157,6 +169,10 @@ class RoundGraph:
         pos = lengths[self.seq] + self.off
         blk = self.tables[self.cols, (pos // bs).clamp_max(self.tables.shape[1] - 1)].long()  # clamp: padding rows
         self.meta[1:].copy_(torch.stack([pos, blk, pos % bs, pos + 1]))
+        if self.local_tables.shape[0]:  # each local group's block of every verify row
+            width = self.local_tables.shape[2]
+            col = (pos[v0:] // bs).clamp_max(width - 1).expand(self.local_tables.shape[0], -1)
+            self.local_blocks.copy_(self.local_tables.gather(2, col[..., None])[..., 0])
         ids = self.meta[0]
         torch.cat([prev, last], out=ids[: 2 * B])
         ids[v0 : v0 + B].copy_(last)
@@ -175,6 +191,7 @@ class RoundGraph:
         """Warm up (Triton compilation and autotuning) and capture, with zero tables and lengths 2: the warm-up
         writes only into the null block."""
         self.tables.zero_()
+        self.local_tables.zero_()
         self.state.copy_(torch.tensor([[2], [0], [0]], device=self.state.device).expand(3, self.B))
         stream = torch.cuda.Stream(self.state.device)
         stream.wait_stream(torch.cuda.current_stream(self.state.device))
@@ -203,7 +220,7 @@ class RoundGraph:
 
     def load_tables(self, seqs: list[Seq], draft_tables: list[list[int]]) -> None:
         """Stage the block tables only (a run that continues the state the previous run left on the device)."""
-        pad = [[]] * (self.B - len(seqs))
+        pad: list[list[int]] = [[]] * (self.B - len(seqs))
         draft_tables = draft_tables + pad
         target_tables = [s.block_table for s in seqs] + pad
         rows = draft_tables * 2 + draft_tables * (self.k - 1) + target_tables * (self.k + 1)
@@ -211,6 +228,13 @@ class RoundGraph:
         for r, t in enumerate(rows):
             tab[r, : len(t)] = t
         self.tables.copy_(to_device(torch.from_numpy(tab), self.tables.device))
+        if self.local_tables.shape[0]:  # KV groups: the verify rows' tables of each local group, token-major
+            local = np.zeros(tuple(self.local_tables.shape), dtype=np.int32)
+            for g in range(local.shape[0]):
+                per_seq = [s.group_tables[g] for s in seqs] + pad  # type: ignore[attr-defined]
+                for r, t in enumerate(per_seq * (self.k + 1)):
+                    local[g, r, : len(t)] = t
+            self.local_tables.copy_(to_device(torch.from_numpy(local), self.local_tables.device))
 
     def replay(self) -> None:
         if self.graph is not None:

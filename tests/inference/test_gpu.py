@@ -25,11 +25,10 @@ def _periodic(g: torch.Generator, batch: int, length: int) -> torch.Tensor:
     return base.repeat(1, length // PERIOD + 1)[:, :length]
 
 
-def _trained_model() -> Llama:
+def _trained_model(**overrides) -> Llama:
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=256, max_seq_len=256
-    )
+    values = dict(vocab_size=VOCAB, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=256, max_seq_len=256)
+    cfg = LlamaConfig(**{**values, **overrides})
     model = Llama(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     g = torch.Generator().manual_seed(1)
@@ -159,3 +158,24 @@ def test_graphs_captured_at_start_serve_identically():
     assert set(engine.spec.drafter.graphs.graphs) == set(engine.spec.drafter.graphs.sizes)
     outs = engine.generate(prompts, SamplingParams(max_tokens=32))
     assert [o.token_ids for o in outs] == refs
+
+
+def test_kv_groups_replay_cuda_graphs():
+    """Local layers of two windows (wide enough for the period) and a global layer: KV groups, with the decode
+    steps and greedy runs replayed from CUDA graphs (each group's blocks and tables static inputs), token-identical
+    to full recompute (the pool sized from free memory through the group split)."""
+    model = _trained_model(n_layers=3, layer_types=["local:20", "local:24", "global"])
+    g = torch.Generator().manual_seed(3)
+    prompts = [_periodic(g, 1, n)[0].tolist() for n in (18, 35, 61, 90)]
+    new = 64
+    refs = _full_recompute(model, prompts, new)
+    for steps in (1, 8):
+        engine = LLMEngine(model, block_size=16, max_num_seqs=4, max_num_batched_tokens=64, decode_steps=steps)
+        assert engine.graphs is not None and engine.graphs.n_local == 2
+        assert engine.pool.pools[0].num_blocks == 4 * 4 * 16 + 1  # the budget split, capped at the useful bound
+        for _ in range(2):  # the second pass hits the prefix cache
+            outs = engine.generate(prompts, [SamplingParams(max_tokens=new)] * len(prompts))
+            assert [o.token_ids for o in outs] == refs
+        assert engine.graphs.graphs, "no decode step ran from a CUDA graph"
+        engine.prefix_cache.clear()
+        assert engine.blocks.allocator.num_free == engine.blocks.allocator.capacity
