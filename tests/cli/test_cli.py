@@ -80,7 +80,10 @@ def _in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[in
         ("--model.model=gpt9", "unknown preset 'gpt9'"),
         ("--data.data_path=/no/such/corpus", "data_path '/no/such/corpus' does not exist"),
         ("--model.learning_rate=-0.001", "learning_rate (-0.001) must be positive"),
-        ("--trainer.strategy=zero9", "unknown strategy 'zero9'; lightning_llmopt's: diloco, local_sgd, nd_parallel, ssp, zero1, zero2"),
+        (
+            "--trainer.strategy=zero9",
+            "unknown strategy 'zero9'; lightning_llmopt's: diloco, local_sgd, nd_parallel, ssp, zero1, zero2",
+        ),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(tmp_path, monkeypatch, capsys, override, message):
