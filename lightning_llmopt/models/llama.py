@@ -129,7 +129,9 @@ class Attention(nn.Module):
         if not isinstance(kv_cache, SharedKV):
             raise RuntimeError(f"layer {self.layer_id} reads layer {self.kv_source}'s K/V: run it through Llama")
         B, T, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2), rope, positions)  # (B, H, T, D)
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        rotate = getattr(self.rotary, "rotate", None)  # the fused rotation of one tensor, if set
+        q = rotate(q, rope, positions) if rotate is not None else apply_rope(q, rope, positions)
         k, v, k_positions = kv_cache.shared(self.kv_source)  # (B, H_kv, S, D)
         if k_positions is not None:
             mask = AttentionMask(positions, k_positions, window=self.window)
