@@ -164,3 +164,22 @@ def test_pipeline_costs_follow_each_block(name: str) -> None:
     want = [f / total_flops + weight * p / total_params for f, p in zip(flops, params, strict=True)]
     blocks, _, _ = block_costs(cfg, seq, weight)
     assert blocks == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["layer_types", "kv_sources_windows", "mla"])
+def test_recompute_overhead_counts_each_blocks_window(name: str) -> None:
+    """Full checkpointing redoes each block's forward: ``2 x params`` plus its attention over the keys its own mask
+    allows (counted from the mask; MLA at its q.k and p.v widths), over ``Llama.flops_per_token``."""
+    from lightning_llmopt.parallel.activation_checkpointing import recompute_overhead
+
+    cfg = LlamaConfig.from_preset("tiny", **CONFIGS[name])
+    model, seq = Llama(cfg), 24
+    apply_activation_checkpointing(model, "full")
+    mla = cfg.mla
+    width = (mla.qk_head_dim + mla.v_head_dim) / 2 if mla is not None else cfg.head_dim
+    extra = 0.0
+    for block in model.layers.values():
+        window = getattr(block.attention, "window", None)
+        pairs = int(AttentionMask.causal(1, seq, torch.device("cpu"), window=window).dense().sum())
+        extra += 2 * sum(p.numel() for p in block.parameters()) + 4 * cfg.n_heads * width * (pairs / seq - 0.5)
+    assert recompute_overhead(model, seq) == pytest.approx(extra / model.flops_per_token(seq), rel=1e-12)
