@@ -111,3 +111,23 @@ def test_mla_packed_projection_falls_back_for_hooked_modules() -> None:
         _loss_and_grads(model, tokens, tokens), _loss_and_grads(plain, tokens, tokens), atol=1e-6, rtol=1e-5
     )
     assert calls == [1]
+
+
+@pytest.mark.parametrize("name", ["mla_q_lora", "kv_sources_windows"])
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_fused_kernels_with_activation_checkpointing(name: str, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused model under activation checkpointing (the blocks' forward recomputed in backward: MLA's fused
+    rotation and packed GEMM, a K/V reader whose source block is recomputed) gives the fused model's own gradients.
+    Same kernels, same order: 1e-6 covers the recomputation's different intermediate allocation only."""
+    from lightning_llmopt.parallel.activation_checkpointing import apply_activation_checkpointing
+
+    monkeypatch.setenv("LLMOPT_FUSED_BACKEND", "triton")
+    torch.manual_seed(0)
+    fused = Llama(LlamaConfig.from_preset("tiny", fused_kernels=["all"], **CASES[name]))
+    checkpointed = copy.deepcopy(fused)
+    apply_activation_checkpointing(checkpointed, policy)
+    g = torch.Generator().manual_seed(4)
+    tokens, labels = torch.randint(0, 320, (2, 13), generator=g), torch.randint(0, 320, (2, 13), generator=g)
+    want = _loss_and_grads(fused, tokens, labels)
+    got = _loss_and_grads(checkpointed, tokens, labels)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
