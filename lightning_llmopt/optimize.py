@@ -7,7 +7,9 @@ over. Supported models and what is replaced:
 **Reference** :class:`~lightning_llmopt.models.llama.Llama`:
 
 - every ``RMSNorm`` -> :class:`~lightning_llmopt.layers.norms.FusedRMSNorm` (same ``weight`` Parameter);
-- every ``Attention.rotary`` hook -> :class:`~lightning_llmopt.layers.rotary.FusedRotary` (in-place q/k rotation);
+- every ``Attention.rotary`` hook -> :class:`~lightning_llmopt.layers.rotary.FusedRotary` (in-place q/k rotation;
+  a layer reading another layer's K/V rotates its queries only; MLA blocks rotate their RoPE channels with it);
+- ``pack_qkv`` on every attention block that has ``wk``/``wv`` (MLA: ``wq`` or ``wq_a`` with ``wkv_a``);
 - every ``FeedForward`` -> :class:`~lightning_llmopt.layers.mlp.FusedSwiGLUMLP` (same ``w1``/``w2``/``w3``);
 - ``model.fused_loss`` -> :class:`~lightning_llmopt.layers.loss.FusedLinearCrossEntropy`, used by
   :meth:`Llama.loss <lightning_llmopt.models.llama.Llama.loss>` (and so by ``CausalLMModule.training_step``);
@@ -174,14 +176,18 @@ def _optimize_llama(
             lambda m: type(m) is FeedForward,
             lambda m: FusedSwiGLUMLP.from_module(m, backend=backend),  # type: ignore[arg-type]
         )
+    from lightning_llmopt.models.mla import MLAttention
+
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
-    if wanted["pack_qkv"]:
-        for m in attentions:
-            if not m.pack_qkv:
+    mla = [m for m in model.modules() if isinstance(m, MLAttention)]
+    blocks: list[Attention | MLAttention] = [*attentions, *mla]
+    if wanted["pack_qkv"]:  # a layer reading another's K/V (no wk/wv) has only wq: nothing to pack
+        for m in blocks:
+            if not m.pack_qkv and getattr(m, "wk", True) is not None:
                 m.pack_qkv = True
                 counts["packed_qkv"] += 1
-    if wanted["rope"]:
-        for m in attentions:
+    if wanted["rope"]:  # MLA and K/V readers call ``rotary.rotate`` on their RoPE channels / queries alone
+        for m in blocks:
             if getattr(m, "rotary", None) is None:
                 m.rotary = FusedRotary(backend)
                 counts["rope"] += 1
@@ -192,10 +198,7 @@ def _optimize_llama(
         if attention not in registered_backends():
             raise ValueError(f"attention ({attention!r}) must be one of {sorted(registered_backends())}")
         model.config.attn_backend = attention  # type: ignore[union-attr]
-        from lightning_llmopt.models.mla import MLAttention  # MLA blocks take the backend too (no rope/pack hooks)
-
-        mla = [m for m in model.modules() if isinstance(m, MLAttention)]
-        for m in [*attentions, *mla]:
+        for m in blocks:
             m.backend = attention
         counts["attention"] = len(attentions) + len(mla)
     return counts

@@ -31,10 +31,13 @@ class FusedRotary(nn.Module):
         self.backend = backend
 
     def forward(self, q: Tensor, k: Tensor, table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.rotate(q, table, positions), self.rotate(k, table, positions)
+
+    def rotate(self, x: Tensor, table: Tensor, positions: Tensor) -> Tensor:
+        """One tensor ``x`` ``(B, H, T, D)`` rotated (a layer that reads another layer's keys rotates only its
+        queries; MLA rotates its query and shared-key RoPE channels separately)."""
         cos, sin = table[..., 0], table[..., 1]  # (P, D/2) strided views, no copy
-        q = apply_rotary(q.transpose(1, 2), cos, sin, positions, backend=self.backend).transpose(1, 2)
-        k = apply_rotary(k.transpose(1, 2), cos, sin, positions, backend=self.backend).transpose(1, 2)
-        return q, k
+        return apply_rotary(x.transpose(1, 2), cos, sin, positions, backend=self.backend).transpose(1, 2)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend or 'auto'}"

@@ -26,6 +26,7 @@ from torch import Tensor
 __all__ = [
     "LAYER_KINDS",
     "SharedKV",
+    "attended_keys",
     "cla_kv_sources",
     "kv_producers",
     "layer_kinds",
@@ -108,6 +109,16 @@ def layer_windows(config: Any) -> list[int | None]:
 def layer_kinds(config: Any) -> list[str]:
     """``"global"`` or ``"local"`` for every layer."""
     return ["global" if w is None else "local" for w in layer_windows(config)]
+
+
+def attended_keys(seq_len: int, window: int | None) -> float:
+    """Mean keys per query of a causal (optionally windowed) mask over ``seq_len`` tokens, in PaLM's convention
+    (arXiv 2204.02311 appendix B): ``seq_len / 2`` without a window, the exact mean ``(seq_len + 1) / 2`` less half a
+    key; a window ``w < seq_len`` likewise, ``(w (w + 1) / 2 + (seq_len - w) w) / seq_len - 1/2``. FLOP counts
+    (``Llama.flops_per_token``, the pipeline cost model) charge every layer its own."""
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len - 0.5
 
 
 def kv_producers(config: Any) -> list[int]:

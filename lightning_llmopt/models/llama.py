@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from lightning_llmopt.models.attention import AttentionMask, attention
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.kv_cache import KVCache
-from lightning_llmopt.models.layer_pattern import SharedKV, layer_windows
+from lightning_llmopt.models.layer_pattern import SharedKV, attended_keys, layer_windows
 from lightning_llmopt.models.rope import apply_rope, rope_table
 
 KernelStep = Callable[[nn.Module], object]
@@ -129,7 +129,9 @@ class Attention(nn.Module):
         if not isinstance(kv_cache, SharedKV):
             raise RuntimeError(f"layer {self.layer_id} reads layer {self.kv_source}'s K/V: run it through Llama")
         B, T, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2), rope, positions)  # (B, H, T, D)
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        rotate = getattr(self.rotary, "rotate", None)  # the fused rotation of one tensor, if set
+        q = rotate(q, rope, positions) if rotate is not None else apply_rope(q, rope, positions)
         k, v, k_positions = kv_cache.shared(self.kv_source)  # (B, H_kv, S, D)
         if k_positions is not None:
             mask = AttentionMask(positions, k_positions, window=self.window)
@@ -370,7 +372,8 @@ class Llama(nn.Module):
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """Model FLOPs per token (PaLM appendix B): ``6 N + 6 L H D T`` for training (causal attention, half the
         ``12 L H D T`` of full attention), ``2 N + 2 L H D T`` for a forward pass; ``N`` excludes the embedding
-        lookup but includes the output head.
+        lookup but includes the output head. A windowed layer counts the keys its window lets each query see
+        (:func:`~lightning_llmopt.models.layer_pattern.attended_keys`) instead of ``T / 2``.
         """
         cfg = self.config
         assert cfg.head_dim is not None
@@ -383,7 +386,7 @@ class Llama(nn.Module):
                 e = ffn.experts
                 per_expert = (e.w1.numel() + e.w2.numel() + e.w3.numel()) // e.w1.shape[0]
                 n -= per_expert * (e.w1.shape[0] - ffn.config.top_k * e.w1.shape[0] / ffn.num_experts)
-        ctx = sum(seq_len if w is None else min(seq_len, w) for w in layer_windows(cfg))
+        ctx = sum(2 * attended_keys(seq_len, w) for w in layer_windows(cfg))  # seq_len per global layer
         head = (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) / 2 if cfg.mla is not None else cfg.head_dim  # q.k, p.v
         attn = cfg.n_heads * head * ctx
         return (6 * n + 6 * attn) if training else (2 * n + 2 * attn)

@@ -83,25 +83,64 @@ class MLAttention(nn.Module):
         self.kv_norm = RMSNorm(self.r, config.norm_eps)
         self.wkv_b = nn.Linear(self.r, self.n_heads * (self.d_n + self.d_v), bias=False)
         self.wo = nn.Linear(self.n_heads * self.d_v, config.dim, bias=False)
+        # Hooks set by ``optimize_model``: a fused rotation (``rotary.rotate(x, table, positions)``; None:
+        # ``apply_rope``) and one GEMM for both projections of ``x`` (``wq`` or ``wq_a``, and ``wkv_a``).
+        self.rotary: nn.Module | None = None
+        self.pack_qkv = False
 
     # ------------------------------------------------------------------ pieces
     def queries(self, x: Tensor, rope: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``q_nope`` ``(B, H, T, d_n)`` and rotated ``q_rope`` ``(B, H, T, d_r)`` of ``x`` ``(B, T, dim)``."""
-        B, T, _ = x.shape
-        if self.wq is not None:
-            q = self.wq(x)
-        else:
-            assert self.wq_a is not None and self.q_norm is not None and self.wq_b is not None
-            q = self.wq_b(self.q_norm(self.wq_a(x)))
-        q = q.view(B, T, -1, self.d_n + self.d_r).transpose(1, 2)  # (B, H, T, d_n + d_r)
-        q_nope, q_rope = q.split([self.d_n, self.d_r], dim=-1)
-        return q_nope, apply_rope(q_rope, rope, positions)
+        return self._queries(self.wq(x) if self.wq is not None else self._q_a(x), rope, positions)
 
     def latent(self, x: Tensor, rope: Tensor, positions: Tensor) -> Tensor:
         """The cached pair ``[rmsnorm(c), rope(k_rope)]`` ``(B, 1, T, r + d_r)`` of ``x`` ``(B, T, dim)``."""
-        c, k_rope = self.wkv_a(x).split([self.r, self.d_r], dim=-1)  # (B, T, r), (B, T, d_r)
-        k_rope = apply_rope(k_rope[:, None], rope, positions)  # (B, 1, T, d_r)
+        return self._latent(self.wkv_a(x), rope, positions)
+
+    def _q_a(self, x: Tensor) -> Tensor:
+        assert self.wq_a is not None
+        return self.wq_a(x)
+
+    def _queries(self, q: Tensor, rope: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """From ``wq x`` ``(B, T, H * (d_n + d_r))``, or ``wq_a x`` ``(B, T, q_lora_rank)`` with ``q_lora_rank``."""
+        if self.wq is None:
+            assert self.q_norm is not None and self.wq_b is not None
+            q = self.wq_b(self.q_norm(q))
+        B, T, _ = q.shape
+        q = q.view(B, T, -1, self.d_n + self.d_r).transpose(1, 2)  # (B, H, T, d_n + d_r)
+        q_nope, q_rope = q.split([self.d_n, self.d_r], dim=-1)
+        return q_nope, self._rope(q_rope, rope, positions)
+
+    def _latent(self, kv: Tensor, rope: Tensor, positions: Tensor) -> Tensor:
+        """From ``wkv_a x`` ``(B, T, r + d_r)``."""
+        c, k_rope = kv.split([self.r, self.d_r], dim=-1)  # (B, T, r), (B, T, d_r)
+        k_rope = self._rope(k_rope[:, None], rope, positions)  # (B, 1, T, d_r)
         return torch.cat([self.kv_norm(c)[:, None], k_rope], dim=-1)
+
+    def _rope(self, x: Tensor, rope: Tensor, positions: Tensor) -> Tensor:
+        rotate = getattr(self.rotary, "rotate", None)  # the fused rotation, if set
+        return rotate(x, rope, positions) if rotate is not None else apply_rope(x, rope, positions)
+
+    def _packable(self) -> bool:
+        """Whether both projections of ``x`` can be one GEMM: plain hook-free ``nn.Linear`` without bias, plain
+        tensor weights of one dtype (not a sharded, LoRA or quantized module)."""
+        lins = (self.wq if self.wq is not None else self.wq_a, self.wkv_a)
+        if not all(type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks for m in lins):
+            return False
+        weights = [m.weight for m in lins if m is not None]
+        if any(type(w) not in (nn.Parameter, Tensor) for w in weights) or len({w.dtype for w in weights}) > 1:
+            return False
+        return all(m.bias is None for m in lins if m is not None)
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(wq x or wq_a x, wkv_a x)``; packed: one GEMM over the concatenated weights, split into views."""
+        first = self.wq if self.wq is not None else self.wq_a
+        assert first is not None
+        if not (self.pack_qkv and self._packable()):
+            return first(x), self.wkv_a(x)
+        out = F.linear(x, torch.cat([first.weight, self.wkv_a.weight]))
+        q, kv = out.split([first.weight.shape[0], self.wkv_a.weight.shape[0]], dim=-1)
+        return q, kv
 
     def _up(self) -> tuple[Tensor, Tensor]:
         """``W_UK`` ``(H, d_n, r)`` and ``W_UV`` ``(H, d_v, r)``: views of ``wkv_b.weight``."""
@@ -134,8 +173,9 @@ class MLAttention(nn.Module):
         self, x: Tensor, rope: Tensor, positions: Tensor, mask: AttentionMask, kv_cache: KVCache | None = None
     ) -> Tensor:
         B, T, _ = x.shape
-        q_nope, q_rope = self.queries(x, rope, positions)
-        latent = self.latent(x, rope, positions)  # (B, 1, T, r + d_r)
+        q_in, kv_in = self._project(x)
+        q_nope, q_rope = self._queries(q_in, rope, positions)
+        latent = self._latent(kv_in, rope, positions)  # (B, 1, T, r + d_r)
         if kv_cache is not None:
             latent, _, k_positions = kv_cache.update(self.layer_id, latent, latent, positions)
             mask = AttentionMask(positions, k_positions)

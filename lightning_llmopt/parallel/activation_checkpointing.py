@@ -38,6 +38,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_llmopt.models.layer_pattern import attended_keys
+
 POLICIES = ("none", "full", "every_n", "sqrt", "selective")
 # Where blocks live in common decoders: ours (`layers`), transformers Llama/Mistral/Qwen (`model.layers`), GPT-2
 # (`transformer.h`), GPT-NeoX (`gpt_neox.layers`), OPT (`model.decoder.layers`).
@@ -306,7 +308,8 @@ def recompute_overhead(model: nn.Module, seq_len: int) -> float:
 
     Training FLOPs are ``model.flops_per_token(seq_len)`` when the model has it (our ``Llama``: ``6 N`` plus causal
     attention), else ``6 N``. A fully recomputed block costs ``2 N_block`` plus, for models with a ``config``
-    holding ``n_heads`` and ``head_dim``, ``2 H D T`` of attention; "selective" blocks redo no matmuls and count 0.
+    holding ``n_heads`` and ``head_dim``, ``2 H D T`` of attention (a windowed block: the keys its window allows; MLA:
+    its q.k and p.v widths); "selective" blocks redo no matmuls and count 0.
     "full" on a deep model gives a little under 1/3 (the embedding and head are not recomputed).
     """
     if seq_len < 1:
@@ -315,10 +318,13 @@ def recompute_overhead(model: nn.Module, seq_len: int) -> float:
     total = float(flops_fn(seq_len)) if callable(flops_fn) else 6.0 * sum(p.numel() for p in model.parameters())
     config = getattr(model, "config", None)
     heads, head_dim = getattr(config, "n_heads", None), getattr(config, "head_dim", None)
-    window = getattr(config, "sliding_window", None)
-    attn = 2.0 * heads * head_dim * min(seq_len, window or seq_len) if heads and head_dim else 0.0
+    mla = getattr(config, "mla", None)
+    width = (mla.qk_head_dim + mla.v_head_dim) / 2 if mla is not None else head_dim  # per head, q.k and p.v
     extra = 0.0
     for _, block, state in _wrapped(model):
         if state.policy != "selective":
+            # the block's own window (layer patterns), else the config's
+            window = getattr(getattr(block, "attention", None), "window", getattr(config, "sliding_window", None))
+            attn = 4.0 * heads * width * attended_keys(seq_len, window) if heads and width else 0.0
             extra += 2.0 * sum(p.numel() for p in block.parameters()) + attn
     return extra / total if total > 0 else 0.0

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.parallel.activation_checkpointing import POLICIES, select_blocks
+from lightning_llmopt.parallel.layer_costs import embedding_params, layer_counts
+from lightning_llmopt.parallel.memory_attention import attention_saved_bytes, norm_saved_bytes
 
 __all__ = ["PRECISIONS", "MemoryEstimate", "activation_bytes", "estimate_memory", "parameter_counts"]
 
@@ -108,15 +110,11 @@ class MemoryEstimate:
 
 
 def parameter_counts(config: LlamaConfig) -> tuple[int, int, int, int]:
-    """``(total, per block, per block in Linear weights, embedding)`` parameter counts of :class:`Llama`."""
-    assert config.head_dim is not None and config.n_kv_heads is not None and config.ffn_hidden_dim is not None
-    d, f = config.dim, config.ffn_hidden_dim
-    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    linear = d * q + 2 * d * kv + q * d + 3 * d * f
-    block = linear + 2 * d + ((q + 2 * kv) if config.qkv_bias else 0)
-    embedding = config.vocab_size * d
-    total = config.n_layers * block + embedding + d + (0 if config.tie_embeddings else embedding)
-    return total, block, linear, embedding
+    """``(total, per block, per block in Linear weights, embedding)`` parameter counts of :class:`Llama`; the block
+    figures are the first block's (blocks differ with ``kv_sources`` or MoE layers: :func:`layer_counts` has each)."""
+    blocks = layer_counts(config)
+    total = sum(b.params for b in blocks) + embedding_params(config)
+    return total, blocks[0].params, blocks[0].linear, config.vocab_size * config.dim
 
 
 def _dtype_bytes(precision: str) -> tuple[int, int, bool]:
@@ -147,6 +145,8 @@ def activation_bytes(config: LlamaConfig, *, precision: str, micro_batch: int, s
     norm's saved tensors and the output projection's input (and, under autocast, its weight copy); the int64 token
     ids are counted, and the ``(T,)`` positions when some block is checkpointed (the RoPE gather saves nothing
     since the table needs no gradient). Sliding windows, packed documents and q/k/v biases are not modelled.
+    A layer reading another layer's K/V keeps only its query terms; an MLA layer keeps its own set
+    (:mod:`~lightning_llmopt.parallel.memory_attention` lists both).
 
     ``bf16_gathered=True`` (stage 3 under ``bf16-mixed``: FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16)``) computes
     on gathered bf16 weights under autocast: the embedding output and so the residual stream are bf16 (``p = 2``),
@@ -160,26 +160,25 @@ def activation_bytes(config: LlamaConfig, *, precision: str, micro_batch: int, s
     buffer = p  # RoPE table bytes: bf16-true casts buffers with the module, FSDP2's param_dtype does not
     if bf16_gathered and precision == "bf16-mixed":
         p, autocast, buffer = 2, False, 4
-    d, f, hd, heads = config.dim, config.ffn_hidden_dim, config.head_dim, config.n_heads
-    q, kv = heads * hd, config.n_kv_heads * hd
-    norm = 4 * d + 4 + (4 * d if p == 4 else 2 * d)
-    qkv_in, ffn_in, head_in = (3 * c * d, 2 * c * d, c * d) if autocast else (p * d, p * d, p * d)
-    rope = 2 * buffer * hd
-    attn = c * (q + 2 * kv) + c * q + 4 * heads + c * q
+    d, f = config.dim, config.ffn_hidden_dim
+    norm = norm_saved_bytes(d, p)
+    ffn_in, head_in = (2 * c * d, c * d) if autocast else (p * d, p * d)
     swiglu = 4 * c * f
-    block = 2 * norm + qkv_in + ffn_in + rope + attn + swiglu
-    selective = p * d + c * (q + 2 * kv + 2 * d + 2 * f) + c * q + 4 * heads
-    _, _, linear, embedding = parameter_counts(config)
-    weight_copies = 2 * linear if autocast else 0
+    embedding = config.vocab_size * d
 
     tokens = micro_batch * seq_len
     checkpointed = set(select_blocks(config.n_layers, activation_checkpointing, every_n))
     total = 0
-    for i in range(config.n_layers):
+    for i, layer in enumerate(layer_counts(config)):  # each block its own attention (GQA, K/V reader, MLA)
+        attn, attn_selective = attention_saved_bytes(config, layer, p, c, autocast, buffer)
         if i not in checkpointed:
-            total += block * tokens + weight_copies
+            total += (2 * norm + attn + ffn_in + swiglu) * tokens + (2 * layer.linear if autocast else 0)
+            sources = config.kv_sources or []
+            if layer.kv_reader and sources[i] in checkpointed:  # the source saved no k, v: this layer does
+                assert config.n_kv_heads is not None and config.head_dim is not None
+                total += 2 * c * config.n_kv_heads * config.head_dim * tokens
         elif activation_checkpointing == "selective":
-            total += selective * tokens
+            total += (p * d + attn_selective + c * (2 * d + 2 * f)) * tokens
         else:
             total += p * d * tokens
     total += (norm + head_in) * tokens + (2 * embedding if autocast else 0)
@@ -264,8 +263,7 @@ def _fsdp_states(config: LlamaConfig, psi: int, n: int, p: int, g: int, state_by
     """
     shard = math.ceil(psi / n)
     params, grads, state = p * shard, p * shard, state_bytes * shard * p // 4
-    total, block, _, _ = parameter_counts(config)
-    gathered = g * (total - config.n_layers * block)  # embedding, final norm and (untied) output head
+    gathered = g * embedding_params(config)  # embedding, final norm and (untied) output head
     cpu = 0
     if offload_optimizer:
         cpu, state = state, 0

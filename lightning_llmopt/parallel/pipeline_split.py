@@ -7,10 +7,11 @@ same one and a bad layout raises before any collective.
 - ``split="layers"`` with ``balance_ends=True`` (Llama 3, arXiv 2407.21783 section 3.3.2): the embedding and the
   head + loss count as one block each, so the first and last stages hold fewer blocks.
 - ``split="cost"``: each block costs its training FLOPs per token (``6 x params + 6 x H x D x T``, causal attention;
-  PaLM appendix B) plus ``param_weight`` times its share of the parameters (memory), both normalised to the model
-  total; with ``balance_ends`` the embedding (parameters only: a lookup does no matmul) and the head
-  (``6 x dim x vocab`` FLOPs) are charged to the first and last stages. Stages are the contiguous partition that
-  minimises the most expensive stage (dynamic programming, ``O(S L^2)``).
+  PaLM appendix B; each block with its own parameters, MLA widths and window:
+  :mod:`~lightning_llmopt.parallel.layer_costs`) plus ``param_weight`` times its share of the parameters (memory),
+  both normalised to the model total; with ``balance_ends`` the embedding (parameters only: a lookup does no
+  matmul) and the head (``6 x dim x vocab`` FLOPs) are charged to the first and last stages. Stages are the
+  contiguous partition that minimises the most expensive stage (dynamic programming, ``O(S L^2)``).
 
 Stage ``s`` of ``S = P x V`` is placed on pipeline rank ``s % P`` ("loop": GPipe, 1F1B, interleaved, zero bubble) or
 in a V shape ("v": ZBV, DualPipeV; rank ``r`` holds stages ``r`` and ``2P - 1 - r``).
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from lightning_llmopt.parallel.layer_costs import attention_flops, layer_counts
 
 __all__ = ["StageSplit", "block_costs", "partition", "split_stages", "stage_ranks"]
 
@@ -68,22 +71,11 @@ def block_costs(config: Any, seq_len: int, param_weight: float = 0.25) -> tuple[
     Returns ``(blocks, embedding, head)``, normalised so the whole model's FLOPs sum to 1 and its parameters to
     ``param_weight``.
     """
-    dim, vocab, hidden = config.dim, config.vocab_size, config.ffn_hidden_dim
-    kv = config.n_kv_heads * config.head_dim
-    attn_params = dim * config.n_heads * config.head_dim * 2 + 2 * dim * kv
-    block_params = []
-    for i in range(config.n_layers):
-        moe = getattr(config, "moe", None)
-        experts = moe.num_experts if moe is not None and moe.is_moe_layer(i) else 1
-        active = moe.top_k if moe is not None and moe.is_moe_layer(i) else 1
-        block_params.append(
-            (attn_params + 3 * dim * hidden * experts + 2 * dim, attn_params + 3 * dim * hidden * active)
-        )
-    ctx = min(seq_len, config.sliding_window) if config.sliding_window else seq_len
-    attn_flops = 6 * config.n_heads * config.head_dim * ctx
-    flops = [6 * active + attn_flops for _, active in block_params]
+    dim, vocab = config.dim, config.vocab_size
+    counts = layer_counts(config)  # MLA projections, K/V readers without wk/wv, MoE experts: each block its own
+    flops = [6 * c.active + a for c, a in zip(counts, attention_flops(config, seq_len), strict=True)]
+    params = [c.params for c in counts]
     head_flops = 6 * dim * vocab
-    params = [p for p, _ in block_params]
     total_flops = sum(flops) + head_flops
     total_params = sum(params) + 2 * dim * vocab + dim
 
