@@ -25,6 +25,7 @@ at the next decision.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
@@ -256,7 +257,9 @@ def attach(
     matmul's search (CUDA), and Triton's autotuner (its own disk cache, CUDA). ``startup`` (a
     :class:`~.startup.StartupLog`) then counts the decisions timed, the searches run and the cache hits per phase
     (``shared_counters=False``: only the runner's own decisions, for a second runner over the same cache)."""
-    from lightning_llmopt.kernels import quant_matmul_tune
+    quant_matmul_tune: Any = None
+    if importlib.util.find_spec("triton") is not None:  # the quantized matmul's search exists with Triton only
+        from lightning_llmopt.kernels import quant_matmul_tune
 
     cache = None
     if isinstance(setting, TuningCache):
@@ -269,7 +272,7 @@ def attach(
     chooser = getattr(runner, "linear", None)
     if chooser is not None:
         chooser.store = cache
-    if device.type == "cuda" and cache is not None:
+    if device.type == "cuda" and cache is not None and quant_matmul_tune is not None:
         quant_matmul_tune.set_store(cache)
         enable_triton_autotune_cache()
     if startup is not None:
@@ -278,11 +281,11 @@ def attach(
             out: dict[str, float] = {}
             if chooser is not None:
                 out.update(linear_tunings=float(chooser.tunings), linear_tuning_s=chooser.tuning_s)
-            if shared_counters:
+            if shared_counters and quant_matmul_tune is not None:
                 out["quant_tunings"] = float(quant_matmul_tune.TUNE_STATS["tunings"])
                 out["quant_tuning_s"] = float(quant_matmul_tune.TUNE_STATS["seconds"])
-                if cache is not None:
-                    out["tuning_cache_hits"] = float(cache.hits)
+            if shared_counters and cache is not None:
+                out["tuning_cache_hits"] = float(cache.hits)
             return out
 
         startup.add_source(counters)

@@ -211,3 +211,40 @@ def test_random_model_is_built_where_it_runs():
     ref = Llama(config)  # the same initialisation: same spread per weight (init_std, and the scaled wo/w2)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert abs(p.float().std().item() - q.std().item()) <= 0.1 * q.std().item() + 1e-6, name
+
+
+_NO_TRITON = r"""
+import importlib.abc, importlib.util, sys
+
+class _Absent(importlib.abc.MetaPathFinder):  # as if triton were not installed: find_spec None, import fails
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "triton" else _find(name, *a)
+sys.meta_path.insert(0, _Absent())
+
+from lightning_llmopt.inference import EngineConfig, LLMEngine, SamplingParams
+from lightning_llmopt.models import Llama, LlamaConfig
+import torch
+
+torch.manual_seed(0)
+model = Llama(LlamaConfig.from_preset("tiny")).eval()
+engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=8, max_num_seqs=2, max_model_len=64))
+out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+assert len(out[0].outputs[0].token_ids) == 4, out
+assert "triton" not in sys.modules
+print("ok")
+"""
+
+
+def test_engine_builds_and_generates_without_triton(tmp_path):
+    """The README's main command installs no Triton: the engine (tuning cache included) must not import it."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LLMOPT_CACHE_DIR": str(tmp_path), "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
