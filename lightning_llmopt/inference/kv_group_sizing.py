@@ -11,13 +11,50 @@ before.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lightning_llmopt.inference.kv_groups import KVGroup, group_blocks
 from lightning_llmopt.inference.kv_pool import block_bytes
+from lightning_llmopt.models.layer_pattern import kv_producers, layer_windows
+
+
+@dataclass
+class KVGroup:
+    """Producing layers (model layer indices) cached together, with their window (``None``: global)."""
+
+    window: int | None
+    layers: list[int]
+
+
+def kv_groups(config: Any) -> list[KVGroup]:
+    """Group 0: the global producers (all local: those of the widest window, which the scheduler releases past it);
+    then one group per other local window (ascending). A single group when every producer has one window (the
+    engine's plain pool)."""
+    windows = layer_windows(config)
+    producers = kv_producers(config)
+    glob = [i for i in producers if windows[i] is None]
+    local: list[int] = sorted({w for i in producers if (w := windows[i]) is not None})
+    if not local or (not glob and len(local) == 1):
+        return [KVGroup(windows[producers[0]], producers)]
+    head = KVGroup(None, glob) if glob else KVGroup(local[-1], [i for i in producers if windows[i] == local[-1]])
+    rest = local if glob else local[:-1]
+    return [head] + [KVGroup(w, [i for i in producers if windows[i] == w]) for w in rest]
+
+
+def group_blocks(
+    window: int, block_size: int, max_num_seqs: int, max_tokens: int, cap: int, prefix_caching: bool = False
+) -> int:
+    """Blocks of a local group: every sequence slot at its bound ``ceil((w - 1 + n) / bs) + 1`` (``n``: the step's
+    token budget), plus the null block; with prefix caching, room for the last window ``ceil((w - 1) / bs) + 1`` of
+    as many cached prefixes as there are sequence slots; at most ``cap`` (the global group's size)."""
+    per_seq = math.ceil((window - 1 + max_tokens) / block_size) + 1
+    cached = max_num_seqs * (math.ceil((window - 1) / block_size) + 1) if prefix_caching else 0
+    return min(cap, max_num_seqs * per_seq + cached + 1)
+
 
 __all__ = ["group_pool_sizes", "split_blocks"]
 

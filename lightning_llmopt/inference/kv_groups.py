@@ -22,54 +22,18 @@ local group still has the companions of the positions its window needs; a shorte
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from lightning_llmopt.inference.block_manager import NULL_BLOCK, BlockAllocator, BlockManager, HasBlockTable
+from lightning_llmopt.inference.kv_group_sizing import KVGroup, group_blocks, group_pool_sizes, kv_groups
 from lightning_llmopt.inference.kv_pool import KVPool
 from lightning_llmopt.inference.prefix_cache import RadixCache
 from lightning_llmopt.inference.step_inputs import StepInputs
-from lightning_llmopt.models.layer_pattern import kv_producers, layer_windows
 
 __all__ = ["GroupedBlockManager", "GroupedPool", "KVGroup", "group_blocks", "group_inputs", "kv_groups"]
-
-
-@dataclass
-class KVGroup:
-    """Producing layers (model layer indices) cached together, with their window (``None``: global)."""
-
-    window: int | None
-    layers: list[int]
-
-
-def kv_groups(config: Any) -> list[KVGroup]:
-    """Group 0: the global producers (all local: those of the widest window, which the scheduler releases past it);
-    then one group per other local window (ascending). A single group when every producer has one window (the
-    engine's plain pool)."""
-    windows = layer_windows(config)
-    producers = kv_producers(config)
-    glob = [i for i in producers if windows[i] is None]
-    local: list[int] = sorted({w for i in producers if (w := windows[i]) is not None})
-    if not local or (not glob and len(local) == 1):
-        return [KVGroup(windows[producers[0]], producers)]
-    head = KVGroup(None, glob) if glob else KVGroup(local[-1], [i for i in producers if windows[i] == local[-1]])
-    rest = local if glob else local[:-1]
-    return [head] + [KVGroup(w, [i for i in producers if windows[i] == w]) for w in rest]
-
-
-def group_blocks(
-    window: int, block_size: int, max_num_seqs: int, max_tokens: int, cap: int, prefix_caching: bool = False
-) -> int:
-    """Blocks of a local group: every sequence slot at its bound ``ceil((w - 1 + n) / bs) + 1`` (``n``: the step's
-    token budget), plus the null block; with prefix caching, room for the last window ``ceil((w - 1) / bs) + 1`` of
-    as many cached prefixes as there are sequence slots; at most ``cap`` (the global group's size)."""
-    per_seq = math.ceil((window - 1 + max_tokens) / block_size) + 1
-    cached = max_num_seqs * (math.ceil((window - 1) / block_size) + 1) if prefix_caching else 0
-    return min(cap, max_num_seqs * per_seq + cached + 1)
 
 
 class GroupedPool(KVPool):
@@ -386,7 +350,6 @@ def make_kv(
         num_blocks = pool_blocks(model_cfg, config, max_model_len, device, kv_dtype)
         pool = KVPool(len(groups[0].layers), *shape, num_blocks, config.block_size, kv_dtype, device)
         return pool, BlockManager(num_blocks, config.block_size)
-    from lightning_llmopt.inference.kv_group_sizing import group_pool_sizes
     from lightning_llmopt.inference.kv_pool import kv_budget_bytes, useful_blocks
 
     windows = [g.window for g in groups[1:] if g.window is not None]
