@@ -183,3 +183,22 @@ def unknown_layout_job() -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def save_init(directory: Path, overrides: dict[str, Any]) -> str:
+    """Seeded ``CausalLMModule("tiny", model_overrides=overrides)`` weights saved in ``directory``; their path."""
+    L.seed_everything(0, verbose=False)
+    from lightning_llmopt import CausalLMModule
+
+    module = CausalLMModule("tiny", model_overrides=overrides)
+    module.configure_model()
+    path = directory / "init.pt"
+    torch.save({k: v.clone() for k, v in module.state_dict().items()}, path)
+    return str(path)
+
+
+def rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """``||a - b|| / ||b||`` over all entries (same names), in float64."""
+    assert sorted(a) == sorted(b)
+    x, y = (torch.cat([t[k].reshape(-1).double() for k in sorted(t)]) for t in (a, b))
+    return float((x - y).norm() / y.norm())

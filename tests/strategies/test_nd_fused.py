@@ -78,26 +78,16 @@ def _reference(init_paths: dict[str, str], which: str = "llmopt") -> dict[str, A
     return _REF[which]
 
 
-def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([params[k].reshape(-1).double() for k in sorted(params)])
-
-
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    x, y = _flat(a), _flat(b)
-    return float((x - y).norm() / y.norm())
-
-
 def _errors(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
     losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(ref["losses"])
     assert len(losses) == len(ref_losses) == len(ref["grads"]) == 5
     errors = {
         "loss": float(((losses - ref_losses).abs() / ref_losses.abs()).max()),
-        "params": _rel(result["params"], ref["params"]),
+        "params": F.rel_error(result["params"], ref["params"]),
     }
     if result["grads"]:  # not with ZeRO-1/2, whose engine keeps the reduced gradients in its flat shards
         assert len(result["grads"]) == 5
-        errors["grad"] = max(_rel(g, r) for g, r in zip(result["grads"], ref["grads"], strict=True))
+        errors["grad"] = max(F.rel_error(g, r) for g, r in zip(result["grads"], ref["grads"], strict=True))
     return errors
 
 

@@ -17,11 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
-
-from lightning_llmopt import CausalLMModule
 
 _spec = importlib.util.spec_from_file_location("_fused_jobs", Path(__file__).with_name("_fused_jobs.py"))
 assert _spec is not None and _spec.loader is not None
@@ -43,22 +40,7 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def init_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    L.seed_everything(0, verbose=False)
-    module = CausalLMModule("tiny", model_overrides=MLA)
-    module.configure_model()
-    path = tmp_path_factory.mktemp("nd_mla") / "init.pt"
-    torch.save({k: v.clone() for k, v in module.state_dict().items()}, path)
-    return str(path)
-
-
-def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([params[k].reshape(-1).double() for k in sorted(params)])
-
-
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    x, y = _flat(a), _flat(b)
-    return float((x - y).norm() / y.norm())
+    return str(F.save_init(tmp_path_factory.mktemp("nd_mla"), MLA))
 
 
 def test_mla_under_zero3_and_pipeline(dist_pool: Any, init_path: str) -> None:
@@ -73,8 +55,8 @@ def test_mla_under_zero3_and_pipeline(dist_pool: Any, init_path: str) -> None:
         losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(ref["losses"])
         errors = {
             "loss": float(((losses - ref_losses).abs() / ref_losses.abs()).max()),
-            "params": _rel(result["params"], ref["params"]),
-            "grad": max(_rel(g, r) for g, r in zip(result["grads"], ref["grads"], strict=True)),
+            "params": F.rel_error(result["params"], ref["params"]),
+            "grad": max(F.rel_error(g, r) for g, r in zip(result["grads"], ref["grads"], strict=True)),
         }
         assert len(result["grads"]) == 5
         print(f"MLA parity {config}: {errors}")  # the figures docs/mla.md quotes (pytest -s)

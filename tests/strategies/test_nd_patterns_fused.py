@@ -14,11 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
-
-from lightning_llmopt import CausalLMModule
 
 _spec = importlib.util.spec_from_file_location("_fused_jobs", Path(__file__).with_name("_fused_jobs.py"))
 assert _spec is not None and _spec.loader is not None
@@ -44,22 +41,7 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def init_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    L.seed_everything(0, verbose=False)
-    module = CausalLMModule("tiny", model_overrides=PATTERN)
-    module.configure_model()
-    path = tmp_path_factory.mktemp("nd_patterns_fused") / "init.pt"
-    torch.save({k: v.clone() for k, v in module.state_dict().items()}, path)
-    return str(path)
-
-
-def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([params[k].reshape(-1).double() for k in sorted(params)])
-
-
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    x, y = _flat(a), _flat(b)
-    return float((x - y).norm() / y.norm())
+    return str(F.save_init(tmp_path_factory.mktemp("nd_patterns_fused"), PATTERN))
 
 
 def test_patterns_with_fused_kernels_under_strategies(dist_pool: Any, init_path: str) -> None:
@@ -74,8 +56,8 @@ def test_patterns_with_fused_kernels_under_strategies(dist_pool: Any, init_path:
         assert len(result["grads"]) == 5
         errors = {
             "loss": float(((losses - ref_losses).abs() / ref_losses.abs()).max()),
-            "params": _rel(result["params"], ref["params"]),
-            "grad": max(_rel(g, r) for g, r in zip(result["grads"], ref["grads"], strict=True)),
+            "params": F.rel_error(result["params"], ref["params"]),
+            "grad": max(F.rel_error(g, r) for g, r in zip(result["grads"], ref["grads"], strict=True)),
         }
         print(f"pattern fused parity {config['nd']}: {errors}")  # the figures docs/layer_patterns.md quotes
         assert max(errors.values()) <= TOL, (config, errors)
