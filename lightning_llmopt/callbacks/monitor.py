@@ -72,6 +72,11 @@ class TrainingMonitor(L.Callback):
         self._window_steps = 0
         self._seq_len = 0
         self.last_metrics: dict[str, float] = {}
+        self._run_tokens = 0  # every timed window so far (the whole run after skip_first_steps)
+        self._run_seconds = 0.0
+        self._run_steps = 0
+        self._run_flops = 0.0
+        self._run_peak: float | None = None
 
     def _sync(self, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":
@@ -122,6 +127,11 @@ class TrainingMonitor(L.Callback):
         elapsed = time.perf_counter() - self._window_start
         metrics = self.compute(trainer, pl_module, elapsed)
         self.last_metrics = metrics
+        self._run_tokens += self._window_tokens
+        self._run_seconds += elapsed
+        self._run_steps += self._window_steps
+        self._run_flops += metrics["perf/tflops_per_device"] * 1e12 * elapsed
+        self._run_peak = peak_flops(pl_module.device, _precision_dtype(trainer))
         pl_module.log_dict(metrics, rank_zero_only=True)
         self._window_start = time.perf_counter()
         self._window_tokens = self._window_steps = 0
@@ -146,6 +156,32 @@ class TrainingMonitor(L.Callback):
             metrics["memory/max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         metrics.update(moe_metrics(getattr(pl_module, "moe_stats", None) or {}))
         return metrics
+
+
+    def summary(self) -> dict[str, float]:
+        """Throughput over every logged window of the run so far (the steps after ``skip_first_steps`` up to the last
+        log): ``steps``, ``tokens_per_sec_per_device``, ``tflops_per_device`` and, on GPUs, ``mfu``. Empty before
+        the first log."""
+        if not self._run_steps or self._run_seconds <= 0:
+            return {}
+        out = {
+            "steps": float(self._run_steps),
+            "tokens_per_sec_per_device": self._run_tokens / self._run_seconds,
+            "tflops_per_device": self._run_flops / self._run_seconds / 1e12,
+        }
+        if self._run_peak:
+            out["mfu"] = self._run_flops / self._run_seconds / self._run_peak
+        return out
+
+    def summary_line(self) -> str:
+        """One line for logs: ``throughput: 65,512 tokens/s per device, 412.3 TFLOP/s, 48.5% MFU (98 steps timed)``;
+        empty before the first log."""
+        s = self.summary()
+        if not s:
+            return ""
+        mfu = f", {100 * s['mfu']:.1f}% MFU" if "mfu" in s else ""
+        return (f"throughput: {s['tokens_per_sec_per_device']:,.0f} tokens/s per device, "
+                f"{s['tflops_per_device']:.1f} TFLOP/s{mfu} ({int(s['steps'])} steps timed)")
 
 
 def moe_metrics(stats: dict[str, Tensor]) -> dict[str, float]:

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
+from lightning_llmopt.callbacks.monitor import TrainingMonitor
 from lightning_llmopt.data import TextDataModule
 from lightning_llmopt.module import CausalLMModule
 
@@ -102,6 +103,10 @@ class LLMOptCLI(LightningCLI):
 
     def _report(self) -> None:
         metrics = self.trainer.callback_metrics
+        monitors = [c for c in self.trainer.callbacks if isinstance(c, TrainingMonitor)]
+        perf = monitors[0].summary_line() if monitors and self.trainer.is_global_zero else ""
+        if perf:
+            print(perf, flush=True)
         if "val/loss" not in metrics:
             return
         lines = [f"final validation loss: {float(metrics['val/loss']):.4f} nats/token"]
