@@ -247,7 +247,7 @@ def _flash_case(b: int, sq: int, sk: int, h: int, hkv: int, d: int, causal: bool
         return flash_attention(qq, kk, vv, causal=causal, window=window, backend=backend)
 
     def run(fn: Any, dt: torch.dtype) -> tuple[torch.Tensor, ...]:
-        qq, kk, vv = (t.to(dt).requires_grad_() for t in (q, k, v))
+        qq, kk, vv = (t.detach().to(dt).clone().requires_grad_() for t in (q, k, v))
         out = fn(qq, kk, vv)
         out.backward(do.to(dt))
         return tuple(t.detach().double() for t in (out, qq.grad, kk.grad, vv.grad))
