@@ -59,7 +59,7 @@ def serve(device: str, workdir: Path) -> None:
     template = workdir / "chat_template.jinja"  # a byte-level model has none of its own
     template.write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>")
     cmd = [sys.executable, "-m", "lightning_llmopt.cli", "serve", "--preset", "debug-1m", "--tokenizer", "byte",
-           "--port", str(port), "--host", "127.0.0.1", "--num-blocks", "256", "--device", device,
+           "--port", str(port), "--host", "127.0.0.1", "--num-blocks", "256", "--max-num-seqs", "8", "--device", device,
            "--served-model-name", "smoke", "--tuning-cache-dir", str(workdir / "tuning"),
            "--chat-template", str(template)]
     log = open(workdir / "server.log", "w")

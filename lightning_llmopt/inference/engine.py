@@ -15,7 +15,7 @@ are never disturbed.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -149,16 +149,29 @@ class LLMEngine(EngineOutputs):
         drafter_runner = getattr(self.spec.drafter, "runner", None) if self.spec is not None else None
         if drafter_runner is not None:  # the draft model's choices: same store, its own counters
             attach_tuning_cache(self.tuning_cache or False, drafter_runner, self.device, startup, shared_counters=False)
-        if config.capture_graphs_at_start:
-            for graphs in (self.graphs, getattr(self.spec.drafter, "graphs", None) if self.spec else None):
-                if graphs is not None:
-                    graphs.capture_all(startup.mark)
-            startup.mark("speculative round graphs" if self.spec is not None else None)
-            capture_rounds(self)
+        # An int8 KV cache without scales yet (calibrate_kv later) cannot run a step: its graphs are captured once
+        # calibrate_kv installs the scales.
+        self._capture_pending = config.capture_graphs_at_start
+        if self._capture_pending and not self._kv_unscaled():
+            self._capture_graphs(startup.mark)
         startup.done()
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count()
+
+    def _kv_unscaled(self) -> bool:
+        """Whether the KV cache is int8 with no scales installed yet."""
+        return bool(getattr(self.pool, "quantized", False)) and getattr(self.pool, "scales", None) is None
+
+    def _capture_graphs(self, mark: Callable[[str | None], Any]) -> None:
+        """Capture every decode graph size (the drafter's and the speculative round graphs too) now rather than on
+        first use mid-serving; ``mark`` names each phase (:meth:`StartupLog.mark`)."""
+        self._capture_pending = False
+        for graphs in (self.graphs, getattr(self.spec.drafter, "graphs", None) if self.spec else None):
+            if graphs is not None:
+                graphs.capture_all(mark)
+        mark("speculative round graphs" if self.spec is not None else None)
+        capture_rounds(self)
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -430,4 +443,6 @@ class LLMEngine(EngineOutputs):
         scales = calibrate_kv_scales(self.model, [encode_prompt(p, self.tokenizer) for p in prompts], margin)
         if self.pool.quantized:
             self.pool.set_scales(scales)
+            if self._capture_pending:  # deferred at start for want of scales
+                self._capture_graphs(lambda name: None)
         return scales

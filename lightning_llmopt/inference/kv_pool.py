@@ -135,7 +135,11 @@ class KVPool:
     def set_scales(self, scales: KVScales) -> None:
         if tuple(scales.k.shape) != (self.n_layers, self.n_kv_heads):
             raise ValueError(f"scales are {tuple(scales.k.shape)}, the pool needs ({self.n_layers}, {self.n_kv_heads})")
-        self.scales = scales.to(self.device)
+        if self.scales is not None:  # in place: captured CUDA graphs read these tensors
+            self.scales.k.copy_(scales.k)
+            self.scales.v.copy_(scales.v)
+            return
+        self.scales = KVScales(scales.k.to(self.device, copy=True), scales.v.to(self.device, copy=True))
 
     def check_ready(self) -> None:
         if self.quantized and self.scales is None:

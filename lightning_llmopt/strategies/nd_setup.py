@@ -64,7 +64,19 @@ def parallelize_model(
     config.reduce_dtype = reduce_dtype
     parallel = parallelize(module, mesh, dims, config)
     materialize(module, device, mesh, dims, parallel.fsdp, root_device)
+    metrics_to(module, root_device)
     return parallel
+
+
+def metrics_to(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s torchmetrics states (the validation perplexity) to ``device``, where the loss is computed:
+    they are not meta tensors, so the materialisation above leaves them on the CPU, and with the model on meta the
+    strategy does not move the whole module."""
+    from torchmetrics import Metric
+
+    for sub in module.modules():
+        if isinstance(sub, Metric):
+            sub.to(device)
 
 
 def pipeline_runner(

@@ -82,3 +82,17 @@ def test_calibrated_scales_beat_unit_scales(model_factory, prompts_factory):
     calibrated = (logits(scales) - exact).abs().mean()
     unit = (logits(ones) - exact).abs().mean()
     assert calibrated * 10 < unit
+
+
+def test_recalibration_writes_the_scales_in_place(model_factory, prompts_factory):
+    """Captured CUDA graphs read the pool's scale tensors, so a second calibration writes into them rather than
+    replacing them (and the pool never aliases the caller's :class:`KVScales`). An engine built without scales
+    defers its graph capture to the first calibration (on CUDA; the GPU smoke run's ``engine:*`` int8 paths)."""
+    engine = LLMEngine(model_factory(seed=1), kv_dtype="int8", num_blocks=64, block_size=8)
+    first = engine.calibrate_kv(prompts_factory([40], 320, seed=2))
+    held = engine.pool.scales.k
+    assert held is not first.k and torch.equal(held, first.k)
+    second = engine.calibrate_kv(prompts_factory([25, 33, 60], 320, seed=5))
+    assert not torch.equal(first.k, second.k)
+    assert engine.pool.scales.k is held and torch.equal(held, second.k)
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids) == 4
