@@ -10,7 +10,8 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 from torch import Tensor
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
@@ -56,6 +57,10 @@ class CausalLMModule(L.LightningModule):
             some; on CPU and other devices only what the config names (as before). ``"none"`` turns them off on
             every device; a name list (or ``"all"``) picks them. The choice is made in :meth:`configure_model` and
             runs under every strategy (the kernels step of the parallel plan).
+        fused_optimizer: AdamW's ``fused`` implementation. ``None`` (default): fused when every parameter is on a
+            CUDA device (plain tensors or DTensors), the fastest measured path; ``True``/``False`` force it (torch
+            also has a fused AdamW on the CPU). Gradient clipping works with both
+            (:meth:`configure_gradient_clipping`).
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class CausalLMModule(L.LightningModule):
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         fused_kernels: str | list[str] | None = "auto",
+        fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
         _check_kernel_choice(fused_kernels)
@@ -239,10 +245,23 @@ class CausalLMModule(L.LightningModule):
             (decay if p.ndim >= 2 and "tok_embeddings" not in name else no_decay).append(p)
         hp: Any = self.hparams
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        fused = all(p.is_cuda for p in decay + no_decay) and len(decay + no_decay) > 0
+        fused = hp.get("fused_optimizer")
+        if fused is None:  # DTensors (FSDP2, TP) are fine: torch shards the fused AdamW ops like other pointwise ops
+            fused = all(p.is_cuda for p in decay + no_decay) and len(decay + no_decay) > 0
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.eps, fused=fused)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_lambda)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: int | float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Clip as Lightning does, also for an optimizer that unscales inside its step (fused AdamW, the default on
+        CUDA), which Lightning's ``MixedPrecision`` refuses to clip: :func:`clip_with_amp_scaling_optimizer`."""
+        plugin = self.trainer.precision_plugin if self._trainer is not None else None
+        if clip_with_amp_scaling_optimizer(plugin, optimizer, gradient_clip_val, gradient_clip_algorithm):
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ checkpoint extras
     @override
@@ -319,6 +338,31 @@ def _pretrained_config(folder: str, overrides: dict[str, Any] | None) -> LlamaCo
         raise FileNotFoundError(f"pretrained ({folder!r}) is not a folder (expected a Hugging Face model folder)")
     config, _ = config_from_hf(read_config(path), **(overrides or {}))
     return config
+
+
+def clip_with_amp_scaling_optimizer(
+    plugin: Any, optimizer: Any, clip_val: int | float | None, algorithm: str | None
+) -> bool:
+    """Clip the gradients of ``optimizer`` by norm or value under Lightning's ``MixedPrecision`` when the optimizer
+    handles loss scaling in its step (``_step_supports_amp_scaling``: torch's fused Adam/AdamW/SGD); returns whether
+    it did. Anything else (other plugins, such as the ZeRO/N-D strategies' own, which unscale before clipping and
+    step the optimizer directly; other optimizers; no clipping) is left to Lightning (``False``).
+
+    With fp16 the gradients are first unscaled by ``GradScaler.unscale_``, which also records the inf/NaN check;
+    ``GradScaler.step`` then sees the optimizer as already unscaled and passes the fused step no ``grad_scale`` but
+    that ``found_inf`` (the step is still skipped on overflow). Nothing is unscaled when no parameter has a gradient
+    (a skipped backward), so the scaler is never left unscaled without a step."""
+    if not clip_val or clip_val <= 0 or not isinstance(plugin, MixedPrecision):
+        return False
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        return True
+    if plugin.scaler is not None:
+        plugin.scaler.unscale_(optimizer)
+    how = GradClipAlgorithmType(algorithm.lower() if isinstance(algorithm, str) else (algorithm or "norm"))
+    Precision.clip_gradients(plugin, optimizer, clip_val, how)  # MixedPrecision's own override is the refusal
+    return True
 
 
 def _check_kernel_choice(choice: str | list[str] | None) -> None:

@@ -163,3 +163,34 @@ def test_fused_kernels_default_on_cpu_builds_plain_model_and_names_opt_in():
     assert "FusedRMSNorm" in fused_modules(fused.model)
     # The saved config stays the one the user asked for, so a CPU reload of a GPU checkpoint stays plain.
     assert fused.hparams["model"]["fused_kernels"] == []
+
+
+def test_fused_optimizer_choice():
+    """``fused_optimizer=None`` (default) picks fused AdamW only where every parameter is on CUDA; True/False force it
+    (torch has a fused AdamW on the CPU too). Clipping with it: tests/strategies/test_clipping.py."""
+    for choice, expected in ((None, False), (True, True), (False, False)):
+        module = CausalLMModule("tiny", fused_optimizer=choice)
+        module.configure_model()
+        optimizer = module.configure_optimizers()["optimizer"]
+        assert bool(optimizer.defaults["fused"]) is expected
+        assert bool(getattr(optimizer, "_step_supports_amp_scaling", False)) is expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_gpu_clipping_with_the_default_fused_optimizer(tmp_path, precision):
+    """Issue 51: ``gradient_clip_val`` with the default optimizer (fused AdamW on CUDA) under Lightning's own
+    ``MixedPrecision`` stopped at the first step (``does not allow for gradient clipping``)."""
+    L.seed_everything(0)
+    module = CausalLMModule("debug-1m", warmup_steps=1)
+    loader = DataLoader(RepeatingTokens(n=8), batch_size=4)
+    trainer = _trainer(tmp_path, accelerator="gpu", devices=1, precision=precision, gradient_clip_val=1.0,
+                       max_steps=2, enable_checkpointing=False)
+    trainer.fit(module, loader)
+    optimizer = trainer.optimizers[0]
+    assert optimizer.defaults["fused"] and optimizer._step_supports_amp_scaling  # the default, fused path
+    assert trainer.global_step == 2
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    steps = [optimizer.state[p]["step"] for p in module.parameters()]
+    assert all(int(s) >= 1 for s in steps), steps  # updates were applied (fp16: at most one skipped by the scaler)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])

@@ -240,9 +240,11 @@ class ZeroOptimizer:
     def _shard_grads(self) -> list[Tensor]:
         return [b.master.grad for b in self.buckets if b.master.grad is not None]
 
-    def _all_reduce_scalar(self, value: Tensor, op: Any) -> Tensor:
+    def _all_reduce_scalar(self, value: Tensor, op: Any, group: ProcessGroup | None = None) -> Tensor:
         value = value.to(self.device, torch.float32)
-        if self.world_size > 1:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(value, op=op, group=group)
+        elif group is None and self.world_size > 1:
             dist.all_reduce(value, op=op, group=self.process_group)
         return value
 
@@ -266,11 +268,16 @@ class ZeroOptimizer:
                 b.master.grad.mul_(factor)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, norm_group: ProcessGroup | None = None
+                        ) -> Tensor:
         """Clip by the global norm over all shards (one all-reduce); returns the norm before clipping.
 
         Matches ``torch.nn.utils.clip_grad_norm_`` on the unsharded gradients: ``coef = max_norm / (norm + 1e-6)``
-        clamped to 1. ``norm_type`` is 2 or ``inf``.
+        clamped to 1. ``norm_type`` is 2 or ``inf``. ``norm_group``: the group the norm is reduced over (default:
+        this optimizer's data-parallel group); a larger group whose other ranks hold the rest of the model's
+        gradients, each element on one rank only (e.g. the whole world under pipeline parallelism, each stage
+        with its own ``ZeroOptimizer``), gives the norm of the whole model's gradient. Every rank of that group
+        must call this.
         """
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"norm_type ({norm_type}) must be 2.0 or inf")
@@ -278,10 +285,10 @@ class ZeroOptimizer:
         grads = self._shard_grads()
         if norm_type == 2.0:
             local = sum((g.float().pow(2).sum().cpu() for g in grads), torch.zeros(()))
-            total = self._all_reduce_scalar(local, dist.ReduceOp.SUM).sqrt()
+            total = self._all_reduce_scalar(local, dist.ReduceOp.SUM, norm_group).sqrt()
         else:
             local = max((g.float().abs().max().cpu() for g in grads), default=torch.zeros(()))
-            total = self._all_reduce_scalar(local, dist.ReduceOp.MAX)
+            total = self._all_reduce_scalar(local, dist.ReduceOp.MAX, norm_group)
         coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         self.scale_grads_(coef)
         return total

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_llmopt.parallel.data_parallel import clip_grad_norm_, local_tensor
@@ -17,18 +18,17 @@ __all__ = ["NDPrecision"]
 
 class NDPrecision(ZeroPrecision):
     """:class:`ZeroPrecision` whose clipping works on any mix of DTensor shards (global norm, one all-reduce); with
-    ``pipeline_parallel > 1`` (set by the strategy) the norm is over all stages."""
+    ``pipeline_parallel > 1`` (set by the strategy) the norm is over all stages, with every ZeRO stage."""
 
     pipeline_parallel: int = 1
 
     @override
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         if isinstance(optimizer, ZeroOptimizer):
-            if self.pipeline_parallel > 1:
-                raise NotImplementedError(
-                    f"gradient clipping with zero_stage 1/2 and pipeline_parallel ({self.pipeline_parallel}) > 1 "
-                    "is not supported yet (the ZeRO engine's norm covers one stage); use zero_stage 0 or 3"
-                )
+            if self.pipeline_parallel > 1:  # each stage's engine shards its own parameters over "dp_cp": sum the
+                # shards' squares over every rank (all stages; ZeRO-1/2 never meets TP, so no element twice)
+                optimizer.clip_grad_norm_(float(clip_val), norm_group=dist.group.WORLD)
+                return None
             return super().clip_grad_by_norm(optimizer, clip_val)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if self.pipeline_parallel > 1:

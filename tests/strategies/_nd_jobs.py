@@ -168,14 +168,17 @@ def fit(
     module_kwargs: dict[str, Any] | None = None,
     hf: bool = False,
     seq: int = SEQ,
+    strategy_cls: Any = NDParallelStrategy,
+    trainer_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Recorder, L.Trainer]:
     """Train ``Module`` on the same global batches whatever the layout; ``nd=None`` is the single-process reference
-    (Lightning's default strategy)."""
+    (Lightning's default strategy). ``strategy_cls(**nd)`` builds the strategy (e.g. ``ZeroStrategy``, whose
+    ranks are all data-parallel); ``trainer_kwargs`` go to the ``Trainer`` (``precision``, ``plugins``)."""
     L.seed_everything(0, verbose=False)
     random.seed(0)
     recorder = Recorder()
     world = dist.get_world_size() if nd is not None else 1
-    strategy: Any = NDParallelStrategy(cluster_environment=PoolEnvironment(), **nd) if nd is not None else "auto"
+    strategy: Any = strategy_cls(cluster_environment=PoolEnvironment(), **nd) if nd is not None else "auto"
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
@@ -190,6 +193,7 @@ def fit(
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         gradient_clip_val=clip,
+        **(trainer_kwargs or {}),
     )
     dp, rank = 1, 0
     if nd is not None:
