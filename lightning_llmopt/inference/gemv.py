@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
 from lightning_llmopt.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_enabled  # noqa: F401
 
@@ -223,6 +224,52 @@ def _gemv_configs() -> list[triton.Config]:
     ]
 
 
+def smem_bytes(rows_kernel: bool, block_n: int, block_k: int, stages: int, num_w: int, x_elem: int, w_elem: int,
+               swiglu: bool, has_delta: bool, block_m: int = 16) -> int:
+    """Upper estimate (bytes) of a GEMV program's shared memory; ``num_b``: weight tiles per step (2 with SwiGLU).
+
+    - one-row kernel (element-wise products, no ``tl.dot``): ``stages`` buffers of the step's loads
+      ``num_b * BLOCK_N * BLOCK_K * w_elem + BLOCK_K * (x_elem + 8)`` (weights; ``x``, ``delta`` and the norm
+      weight), and one fp32 ``BLOCK_N x BLOCK_K`` tile for the final reduction;
+    - few-row kernel (tensor cores): ``stages`` buffers of ``BLOCK_M * BLOCK_K * x_elem`` (twice with ``delta``),
+      ``num_b * BLOCK_N * BLOCK_K * w_elem`` and ``BLOCK_K * 4`` (the norm weight), one ``BLOCK_M x BLOCK_K``
+      operand tile in the weights' dtype (the rounded input), and one fp32 ``BLOCK_M x BLOCK_N`` epilogue tile."""
+    num_b = 2 if swiglu else 1
+    if not rows_kernel:
+        step = num_b * block_n * block_k * w_elem + block_k * (x_elem + 8)
+        return stages * step + block_n * block_k * 4
+    x_tiles = block_m * block_k * x_elem * (2 if has_delta else 1)
+    step = x_tiles + num_b * block_n * block_k * w_elem + block_k * 4
+    return stages * step + block_m * block_k * w_elem + block_m * block_n * 4
+
+
+def _estimate(rows_kernel: bool):  # type: ignore[no-untyped-def]
+    def estimate(p: dict) -> int:
+        return smem_bytes(rows_kernel, p["BLOCK_N"], p["BLOCK_K"], p["num_stages"], p["NUM_W"], p["elem"]["X"],
+                          p["elem"]["W0"], bool(p["SWIGLU"]), bool(p["HAS_DELTA"]), p.get("BLOCK_M", 16))
+
+    return estimate
+
+
+smem.register("_gemv_kernel")(_estimate(False))
+smem.register("_gemv_rows_kernel")(_estimate(True))
+
+
+def _prune(rows_kernel: bool):  # type: ignore[no-untyped-def]
+    """``early_config_prune``: the configurations whose :func:`smem_bytes` fits the device."""
+
+    def prune(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
+        x, w = named_args["X"], named_args["W0"]
+        name = "_gemv_rows_kernel" if rows_kernel else "_gemv_kernel"
+        return smem.fit(f"gemv ({name})", configs,
+                        lambda c: smem_bytes(rows_kernel, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages,
+                                             kwargs["NUM_W"], x.element_size(), w.element_size(), kwargs["SWIGLU"],
+                                             kwargs["HAS_DELTA"], kwargs.get("BLOCK_M", 16)),
+                        smem.device_limit(x.device), smem.describe([("K", named_args.get("K"))]))
+
+    return prune
+
+
 def _even(args: dict) -> bool:
     n_out = args["N0"] if args["SWIGLU"] else args["N0"] + args["N1"] + args["N2"]
     return args["K"] % args["BLOCK_K"] == 0 and n_out % args["BLOCK_N"] == 0
@@ -270,7 +317,8 @@ def _launch_gemv(x: Tensor, weights: list[Tensor], biases: list[Tensor] | None, 
         return y, res
     if _tuned_gemv is None:
         _tuned_gemv = triton.autotune(
-            configs=_gemv_configs(), key=["N0", "N1", "N2", "K", "NUM_W", "SWIGLU", "NORM", "HAS_DELTA"]
+            configs=_gemv_configs(), key=["N0", "N1", "N2", "K", "NUM_W", "SWIGLU", "NORM", "HAS_DELTA"],
+            prune_configs_by={"early_config_prune": _prune(False)},
         )(triton.heuristics({"EVEN": _even})(_gemv_kernel))
     launch = {"launch_pdl": True} if consts["PDL"] else {}
     _tuned_gemv[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)](*args, **consts, **launch)
@@ -290,7 +338,8 @@ def _launch_rows(args: tuple, consts: dict, M: int, n_out: int, ieee: bool) -> N
         return
     if _tuned_rows is None:
         _tuned_rows = triton.autotune(
-            configs=_rows_configs(), key=["N0", "N1", "N2", "K", "NUM_W", "SWIGLU", "NORM", "HAS_DELTA", "IEEE"]
+            configs=_rows_configs(), key=["N0", "N1", "N2", "K", "NUM_W", "SWIGLU", "NORM", "HAS_DELTA", "IEEE"],
+            prune_configs_by={"early_config_prune": _prune(True)},
         )(_gemv_rows_kernel)
     launch = {"launch_pdl": True} if consts["PDL"] else {}
     _tuned_rows[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)](*args, **consts, IEEE=ieee, BLOCK_M=16, **launch)

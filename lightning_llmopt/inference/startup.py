@@ -14,7 +14,10 @@ Each phase records, beside its seconds, what happened inside it: ``linear_tuning
 :class:`~.linear_chooser.LinearChooser` decisions timed), ``quant_tunings``/``quant_tuning_s`` (quantized matmul
 searches), ``triton_compiles``/``triton_compile_s``/``triton_compile_cache_hits`` and
 ``triton_autotunes``/``triton_autotune_s``/``triton_autotune_cache_hits`` (Triton's listeners, on CUDA), and
-``tuning_cache_hits``. The engine keeps its log as ``engine.startup``; ``llmopt serve`` prints a line per phase
+``tuning_cache_hits``. A Triton without one of those listeners (3.6 has no autotuning listener) gets a note
+instead, e.g. ``triton_autotune_listener: unavailable (triton 3.6.0) ...`` (:attr:`StartupLog.notes`, in the
+summary and printed as a line), and the searches are counted from the package kernels' own prunes. The engine
+keeps its log as ``engine.startup``; ``llmopt serve`` prints a line per phase
 while loading and ``/health`` shows the phases done so far.
 """
 
@@ -63,8 +66,19 @@ class StartupLog:
         self._snapshot: dict[str, float] = {}
         self._lock = threading.Lock()
         self._cleanups: list[Callable[[], None]] = []
+        self.notes: dict[str, str] = {}  # what could not be counted, and why (e.g. a Triton without a listener)
 
     # ------------------------------------------------------------------ recording
+    def note(self, name: str, text: str) -> None:
+        """Record ``name: text`` (shown in :meth:`summary` and passed to ``on_line`` once)."""
+        if self.notes.get(name) == text:
+            return
+        self.notes[name] = text
+        line = f"{name}: {text}"
+        log.info("engine start-up: %s", line)
+        if self.on_line is not None:
+            self.on_line(line)
+
     def add_source(self, source: Callable[[], dict[str, float]]) -> None:
         """Counters read at each phase boundary (e.g. a chooser's ``tunings``); a phase records their change."""
         self._sources.append(source)
@@ -126,6 +140,7 @@ class StartupLog:
             "current": self.current,
             "elapsed_s": round(self.total_s if self.total_s is not None else time.perf_counter() - self.start, 3),
             "totals": totals,
+            **({"notes": dict(self.notes)} if self.notes else {}),
         }
 
 
@@ -133,35 +148,88 @@ def _round(v: float) -> float:
     return round(v, 4) if isinstance(v, float) and not v.is_integer() else v
 
 
-def watch_triton(startup: StartupLog) -> None:
+def _has_hook(namespace: Any, name: str) -> bool:
+    """Whether a Triton knobs namespace declares the hook ``name`` (a class attribute: reading a missing one raised
+    ``AttributeError`` on Triton 3.6, which has no ``autotuning.listener``)."""
+    return namespace is not None and (hasattr(type(namespace), name) or name in getattr(namespace, "__dict__", {}))
+
+
+def watch_triton(startup: StartupLog, knobs: Any = None) -> None:
     """Count Triton's compilations and autotuning searches (with their seconds and disk-cache hits) into
-    ``startup`` until its build is done. Listeners installed before are still called."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return
-    prev_compile, prev_tune = knobs.compilation.listener, knobs.autotuning.listener
+    ``startup`` until its build is done. Listeners installed before are still called.
+
+    Each hook is feature-detected (``knobs.compilation.listener`` and ``knobs.autotuning.listener``; Triton 3.6 has
+    no autotuning listener). Where one is missing, what can still be counted is, and a note says so in the log
+    (:attr:`StartupLog.notes`, printed by ``llmopt serve``): without the autotuning listener, ``triton_autotunes``
+    counts the searches of the package's own kernels (their shared-memory prune runs once per search,
+    :func:`~lightning_llmopt.kernels.shared_memory.searches`), without seconds or cache hits. ``knobs``: Triton's
+    (default) or a stand-in (tests)."""
+    version = "unknown"
+    if knobs is None:
+        try:
+            import triton
+            from triton import knobs
+        except ImportError:
+            return
+        version = getattr(triton, "__version__", version)
+    else:
+        version = getattr(knobs, "version", version)
+    compilation, autotuning = getattr(knobs, "compilation", None), getattr(knobs, "autotuning", None)
+    restores: list[Callable[[], None]] = []
+    if _has_hook(compilation, "listener"):
+        restores.append(_watch_compiles(startup, compilation))
+    else:
+        startup.note("triton_compile_listener", f"unavailable (triton {version}): compilations not counted")
+    if _has_hook(autotuning, "listener"):
+        restores.append(_watch_autotunes(startup, autotuning))
+    else:
+        startup.note("triton_autotune_listener", f"unavailable (triton {version}): triton_autotunes counts the "
+                                                 "package kernels' searches, without seconds or cache hits")
+        from lightning_llmopt.kernels import shared_memory
+
+        start = shared_memory.searches()
+        startup.add_source(lambda: {"triton_autotunes": float(shared_memory.searches() - start)})
+
+    def restore() -> None:
+        for undo in restores:
+            undo()
+
+    startup.on_done(restore)
+
+
+def _watch_compiles(startup: StartupLog, compilation: Any) -> Callable[[], None]:
+    prev = compilation.listener
 
     def on_compile(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
         startup.count("triton_compiles")
         startup.count("triton_compile_cache_hits", float(cache_hit))
         startup.count("triton_compile_s", getattr(times, "total", 0) / 1e6)
-        if prev_compile is not None:
-            prev_compile(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        if prev is not None:
+            prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    compilation.listener = on_compile
+
+    def restore() -> None:
+        if compilation.listener is on_compile:
+            compilation.listener = prev
+
+    return restore
+
+
+def _watch_autotunes(startup: StartupLog, autotuning: Any) -> Callable[[], None]:
+    prev = autotuning.listener
 
     def on_tune(**kw: Any) -> None:
         startup.count("triton_autotunes")
         startup.count("triton_autotune_cache_hits", float(bool(kw.get("cache_hit"))))
         startup.count("triton_autotune_s", float(kw.get("duration") or 0.0))
-        if prev_tune is not None:
-            prev_tune(**kw)
+        if prev is not None:
+            prev(**kw)
 
-    knobs.compilation.listener, knobs.autotuning.listener = on_compile, on_tune
+    autotuning.listener = on_tune
 
     def restore() -> None:
-        if knobs.compilation.listener is on_compile:
-            knobs.compilation.listener = prev_compile
-        if knobs.autotuning.listener is on_tune:
-            knobs.autotuning.listener = prev_tune
+        if autotuning.listener is on_tune:
+            autotuning.listener = prev
 
-    startup.on_done(restore)
+    return restore

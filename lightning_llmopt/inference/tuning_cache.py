@@ -242,7 +242,9 @@ def enable_triton_autotune_cache() -> None:
         from triton import knobs
     except ImportError:  # no Triton, or one without knobs: nothing to keep
         return
-    knobs.autotuning.cache = True
+    autotuning = getattr(knobs, "autotuning", None)
+    if autotuning is not None and hasattr(type(autotuning), "cache"):  # feature-detected (triton >= 3.4 has it)
+        autotuning.cache = True
 
 
 def attach(

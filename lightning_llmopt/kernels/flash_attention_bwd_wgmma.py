@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_common import (
     DKDV_TUNE_KEY,
     ChosenConfigs,
@@ -251,10 +252,27 @@ def wgmma_configs(block_d: int) -> list[LaunchConfig]:
     return [as_launch_config(t) for t in _CONFIGS["narrow" if block_d <= 64 else "wide"]]
 
 
+@smem.register("_dkdv_wgmma_kernel")
+def _estimate(p: dict) -> int:
+    return wgmma_smem_bytes(p["BLOCK_M"], p["BLOCK_N"], p["STAGES"], p["HEAD_D"])
+
+
+def wgmma_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int) -> int:
+    """Upper estimate (bytes) of the pass's shared memory, 16-bit inputs: the key and value tiles
+    ``2 * BLOCK_N * HEAD_D * 2``, ``STAGES`` stages of query and dO tiles ``2 * BLOCK_M * HEAD_D * 2`` and of the rows'
+    fp32 lse2 and delta ``2 * BLOCK_M * 4``, and one ``BLOCK_N x BLOCK_M`` 16-bit tile for the layout conversion of
+    ``P^T`` / ``dS^T`` into the WGMMA operand (the allocations are explicit in the kernel above)."""
+    return 2 * block_n * head_dim * 2 + stages * (2 * block_m * head_dim * 2 + 2 * block_m * 4) + block_n * block_m * 2
+
+
 def _prune(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
     block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     wanted = [(c[0]["BLOCK_M"], c[0]["BLOCK_N"], c[1], c[2]) for c in wgmma_configs(block_d)]
-    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["STAGES"]) in wanted]
+    kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.kwargs["STAGES"]) in wanted]
+    q = named_args["Q"]
+    return smem.fit("flash attention dkdv (_dkdv_wgmma_kernel)", kept,
+                    lambda c: wgmma_smem_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["STAGES"], block_d),
+                    smem.device_limit(q.device), smem.describe([("head dim", block_d)]))
 
 
 _tuner: list[object] = []

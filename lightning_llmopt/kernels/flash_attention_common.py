@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.launch_cache import LaunchCache
 
 LOG2E = 1.4426950408889634
@@ -125,27 +127,38 @@ LaunchConfig = tuple[dict[str, int], int, int]
 """``({"BLOCK_M": m, "BLOCK_N": n}, num_warps, num_stages)``: one launch configuration of a flash kernel."""
 
 
-# Autotuning lists, ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, by head-dim class (padded head dim up to 64, or
-# larger). The wide-head lists come from benchmarks/sweep_attention.py on an H100 (hd128, S 1k..8k, causal and not,
-# 2026-11-25): each member was best or within 5% of best on some shape, and every configuration that ran 1.3x or
-# more behind the best everywhere was dropped (a noisy search must not be able to pick it: the dK/dV candidate
-# (32, 128, 4, 3) ran 2.3x behind at hd128). The narrow-head lists are the earlier hand-picked ones, plus the
-# forward's (64, 64, 4, 3), the best of 18 at the 1b preset's shape (hd64, GQA 8:1, B = 4, S = 4096, causal; 418
-# TF/s, 3.6% ahead of the next; H100 sweep with --narrow, 2026-11-26), where the dK/dV and dQ bests were already
-# listed.
+# Autotuning lists, ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, by head-dim class (padded head dim ``BLOCK_D`` up
+# to 64, up to 128, or larger). The wide-head lists come from benchmarks/sweep_attention.py on an H100 (hd128, S
+# 1k..8k, causal and not, 2026-11-25): each member was best or within 5% of best on some shape, and every
+# configuration that ran 1.3x or more behind the best everywhere was dropped (a noisy search must not be able to pick
+# it: the dK/dV candidate (32, 128, 4, 3) ran 2.3x behind at hd128). The narrow-head lists are the earlier
+# hand-picked ones, plus the forward's (64, 64, 4, 3), the best of 18 at the 1b preset's shape (hd64, GQA 8:1, B = 4,
+# S = 4096, causal; 418 TF/s, 3.6% ahead of the next; H100 sweep with --narrow, 2026-11-26), where the dK/dV and dQ
+# bests were already listed. The extra-wide lists (``BLOCK_D`` 256: MLA prefill's head dim 192, or 256) hold tiles
+# whose estimate (:func:`smem_bytes`) fits the 227 KiB of an H100/H200 in 16-bit dtypes, with 8 warps where a
+# program's fp32 accumulators hold 64 or more rows of 256 lanes, plus one small tile per pass that fits in fp32.
 _FWD = {
     "narrow": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (64, 64, 4, 3)],
     "wide": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
+    "xwide": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)],
 }
 _DKDV = {  # BLOCK_N is the key tile owned by the program, BLOCK_M the query tile it steps over
     "narrow": [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
     "wide": [(64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 5), (64, 128, 8, 2)],
+    "xwide": [(32, 64, 8, 2), (64, 64, 8, 2), (32, 64, 8, 3), (32, 32, 4, 2)],
 }
 _DQ = {  # BLOCK_M queries per program, BLOCK_N keys per step
     "narrow": [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     "wide": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3)],
+    "xwide": [(64, 32, 4, 3), (64, 64, 8, 2), (128, 32, 8, 2), (32, 32, 4, 2)],
 }
 _TABLES = {"fwd": _FWD, "dkdv": _DKDV, "dq": _DQ}
+KERNEL_NAMES = {"fwd": "_flash_fwd_kernel", "dkdv": "_flash_bwd_dkdv_kernel", "dq": "_flash_bwd_dq_kernel"}
+
+
+def head_dim_class(block_d: int) -> str:
+    """``"narrow"`` (padded head dim up to 64), ``"wide"`` (up to 128) or ``"xwide"`` (more: MLA's 192 -> 256)."""
+    return "narrow" if block_d <= 64 else "wide" if block_d <= 128 else "xwide"
 
 
 def as_launch_config(t: tuple[int, int, int, int]) -> LaunchConfig:
@@ -158,21 +171,69 @@ def launch_configs(kernel: str, block_d: int | None = None) -> list[LaunchConfig
     it per call)."""
     table = _TABLES[kernel]
     if block_d is not None:
-        return [as_launch_config(t) for t in table["narrow" if block_d <= 64 else "wide"]]
+        return [as_launch_config(t) for t in table[head_dim_class(block_d)]]
     seen: list[tuple[int, int, int, int]] = []
     for rows in table.values():
         seen += [t for t in rows if t not in seen]
     return [as_launch_config(t) for t in seen]
 
 
+def smem_bytes(kernel: str, block_m: int, block_n: int, stages: int, block_d: int, elem: int) -> int:
+    """Upper estimate of the shared memory (bytes) of one flash program; ``elem``: the inputs' element size.
+
+    Tiles that stay for the whole program are counted once, tiles loaded in the pipelined loop ``stages`` times
+    (Triton's pipeliner keeps ``num_stages`` buffers of each loop load that feeds a ``tl.dot``):
+
+    - ``fwd``: ``(BLOCK_M + stages * 2 * BLOCK_N) * BLOCK_D * elem`` (the query tile; key and value tiles);
+    - ``dkdv``: ``(2 * BLOCK_N + stages * 2 * BLOCK_M) * BLOCK_D * elem + stages * 2 * BLOCK_M * 4 + 1024`` (the key
+      and value tiles; query and dO tiles, and the rows' fp32 lse2 and delta; 1 KiB of alignment: Triton 3.6
+      reported up to 1024 bytes beyond the tiles, e.g. 41984 for (32, 64, 4, 3) at ``BLOCK_D`` 64);
+    - ``dq``: ``(2 * BLOCK_M + stages * 2 * BLOCK_N) * BLOCK_D * elem`` (the query and dO tiles; key and value
+      tiles).
+
+    The forward's formula gives Triton's own figure for MLA's failing launch: (128, 64, 8, 3) at ``BLOCK_D`` 256 in
+    bf16 is 262144 bytes. On an H200 with Triton 3.6 (2026-11-29) the forward's and the dQ pass's estimates equalled
+    ``metadata.shared`` for every configuration at ``BLOCK_D`` 64, 128 and 256 (bf16); tests/kernels/
+    test_shared_memory_gpu.py checks the bound for every configuration of the tables."""
+    if kernel == "fwd":
+        return (block_m + stages * 2 * block_n) * block_d * elem
+    if kernel == "dkdv":
+        return (2 * block_n + stages * 2 * block_m) * block_d * elem + stages * 2 * block_m * 4 + 1024
+    if kernel == "dq":
+        return (2 * block_m + stages * 2 * block_n) * block_d * elem
+    raise ValueError(f"kernel ({kernel!r}) must be 'fwd', 'dkdv' or 'dq'")
+
+
+def _estimate_from(kernel: str) -> Callable[[dict[str, Any]], int]:
+    def estimate(p: dict[str, Any]) -> int:
+        return smem_bytes(kernel, p["BLOCK_M"], p["BLOCK_N"], p["num_stages"], p["BLOCK_D"], p["elem"]["Q"])
+
+    return estimate
+
+
+for _name, _fn_name in KERNEL_NAMES.items():
+    smem.register(_fn_name)(_estimate_from(_name))
+
+
 def prune_for_head_dim(kernel: str):  # type: ignore[no-untyped-def]
-    """``early_config_prune`` for ``triton.autotune``: keep the configurations of the call's head-dim class."""
+    """``early_config_prune`` for ``triton.autotune``: keep the configurations of the call's head-dim class whose
+    shared memory (:func:`smem_bytes`) fits the device (:func:`~.shared_memory.fit`, which raises a clear error where
+    none does)."""
 
     def prune(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
         wanted = [(c[0]["BLOCK_M"], c[0]["BLOCK_N"], c[1], c[2]) for c in launch_configs(kernel, block_d)]
         kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-        return kept or configs
+        kept = kept or list(configs)
+        q = named_args.get("Q")  # absent only where a caller prunes a bare list (no device: no limit)
+        elem = q.element_size() if q is not None else 2
+        head_dim = kwargs.get("HEAD_D", named_args.get("HEAD_D"))
+        dtype = str(q.dtype).split(".")[-1] if q is not None else None
+        call = smem.describe([("head dim", head_dim), ("BLOCK_D", block_d), ("dtype", dtype)])
+        return smem.fit(f"flash attention {kernel} ({KERNEL_NAMES[kernel]})", kept,
+                        lambda c: smem_bytes(kernel, c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages,
+                                             block_d, elem),
+                        smem.device_limit(q.device) if q is not None else None, call)
 
     return prune
 
@@ -222,7 +283,8 @@ class ChosenConfigs:
         def median(t: Any) -> float:
             return float(t[0] if isinstance(t, (list, tuple)) else t)
 
-        ranked = sorted((c for c, t in timings.items() if median(t) == median(t)), key=lambda c: median(timings[c]))
+        # finite timings only: Triton's autotuner times a configuration that failed to launch (OutOfResources) as inf
+        ranked = sorted((c for c, t in timings.items() if math.isfinite(median(t))), key=lambda c: median(timings[c]))
         if len(ranked) < 2 or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
             return best
         times: dict[Any, list[float]] = {c: [] for c in ranked[:top]}

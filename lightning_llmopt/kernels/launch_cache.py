@@ -121,7 +121,9 @@ class LaunchCache:
         from triton import knobs
 
         signature = arg_signature(args) if self.enabled() else None
-        if signature is None or _hooked(knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook,
+        runtime = getattr(knobs, "runtime", None)  # feature-detected: a missing hook counts as none attached
+        if signature is None or _hooked(getattr(runtime, "launch_enter_hook", None),
+                                        getattr(runtime, "launch_exit_hook", None),
                                         *getattr(fn, "pre_run_hooks", ())):
             fn[grid](*args, **constexprs, **options)
             return

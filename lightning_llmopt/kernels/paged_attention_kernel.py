@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
 
 ensure_interpreted_stdlib()  # before the kernels below are decorated
@@ -199,23 +200,72 @@ def _combine_kernel(
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_D)
 
 
+# Decode autotuning lists, ``(BLOCK_N, num_warps, num_stages)``, by padded head dim (kept short: tuning runs once per
+# key, before any CUDA-graph capture). Up to 256 lanes: the measured list. Wider (MLA's absorbed decode, 512 + 64
+# latent channels padded to 1024): 16-key tiles, whose two pipeline stages fit an H100/H200's 227 KiB.
+_CONFIGS = {
+    "narrow": [(64, 4, 3), (64, 4, 4), (128, 4, 3), (32, 2, 4)],
+    "xwide": [(16, 4, 2), (16, 4, 3), (16, 8, 2)],
+}
+
+
+def _class(block_d: int) -> str:
+    return "narrow" if block_d <= 256 else "xwide"
+
+
 def _configs() -> list[triton.Config]:
-    """Decode autotuning list (kept short: tuning runs once per key, before any CUDA-graph capture)."""
-    return [
-        triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_N": 32}, num_warps=2, num_stages=4),
-    ]
+    """Every list's configurations (the autotuner's; :func:`_prune` narrows them per call)."""
+    rows = [t for table in _CONFIGS.values() for t in table]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in dict.fromkeys(rows)]
+
+
+def smem_bytes(block_n: int, stages: int, block_g: int, block_d: int, q_elem: int, kv_elem: int, quant: bool) -> int:
+    """Upper estimate (bytes) of a decode program's shared memory: the query tile ``BLOCK_G * BLOCK_D * q_elem``
+    once, ``stages`` buffers of the key and value tiles ``2 * BLOCK_N * BLOCK_D * kv_elem``, and for an int8 cache
+    the two tiles converted to the query's dtype ``2 * BLOCK_N * BLOCK_D * q_elem``."""
+    quant_bytes = 2 * block_n * block_d * q_elem if quant else 0
+    return block_g * block_d * q_elem + stages * 2 * block_n * block_d * kv_elem + quant_bytes
+
+
+@smem.register("_paged_decode_kernel")
+def _estimate(p: dict) -> int:
+    return smem_bytes(p["BLOCK_N"], p["num_stages"], p["BLOCK_G"], p["BLOCK_D"], p["elem"]["Q"], p["elem"]["K"],
+                      bool(p["QUANT"]))
+
+
+def _prune(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
+    """Keep the head-dim class's configurations whose :func:`smem_bytes` fits the device."""
+    block_d, block_g, quant = kwargs["BLOCK_D"], kwargs["BLOCK_G"], kwargs["QUANT"]
+    wanted = set(_CONFIGS[_class(block_d)])
+    kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+    q, k = named_args["Q"], named_args["K"]
+    call = smem.describe([("head dim", kwargs.get("HEAD_D")), ("query rows", block_g),
+                          ("dtype", str(q.dtype).split(".")[-1]), ("cache", str(k.dtype).split(".")[-1])])
+    return smem.fit("paged attention decode (_paged_decode_kernel)", kept,
+                    lambda c: smem_bytes(c.kwargs["BLOCK_N"], c.num_stages, block_g, block_d, q.element_size(),
+                                         k.element_size(), quant),
+                    smem.device_limit(q.device), call)
 
 
 @functools.cache
 def _tuned_kernel():  # type: ignore[no-untyped-def]
     # the split sizes are not in the key: one tuning per head layout, whatever the batch (so CUDA graphs of every
     # batch size reuse it instead of re-tuning)
-    return triton.autotune(configs=_configs(), key=["GROUP", "HEAD_D", "PAGE", "QUANT", "SPLIT", "HAS_WINDOW"])(
-        _paged_decode_kernel
-    )
+    return triton.autotune(configs=_configs(), key=["GROUP", "HEAD_D", "PAGE", "QUANT", "SPLIT", "HAS_WINDOW"],
+                           prune_configs_by={"early_config_prune": _prune})(_paged_decode_kernel)
+
+
+def _fixed_fp32_config(consts: dict) -> dict:
+    """The untuned fp32 launch (tests): 32-key tiles in two stages, or the 16-key tiles of one stage where those do
+    not fit the device."""
+    options = [(32, 4, 2), (16, 4, 1)]
+    q_bytes = 4
+    limit = None if not torch.cuda.is_available() else smem.device_limit(torch.cuda.current_device())
+    n, w, s = smem.fit("paged attention decode (_paged_decode_kernel, fp32)", options,
+                       lambda t: smem_bytes(t[0], t[2], consts["BLOCK_G"], consts["BLOCK_D"], q_bytes, q_bytes,
+                                            consts["QUANT"]), limit, smem.describe([("head dim", consts["HEAD_D"])]),
+                       count=False)[0]
+    return {"BLOCK_N": n, "num_warps": w, "num_stages": s}
 
 
 def _next_pow2(n: int) -> int:
@@ -298,7 +348,7 @@ def paged_decode(
     if interp:
         _paged_decode_kernel[grid](*args, BLOCK_N=16, num_warps=4, **consts)
     elif q.dtype == torch.float32:  # exact fp32 (tests): one fixed config, no tuning
-        _paged_decode_kernel[grid](*args, BLOCK_N=32, num_warps=4, num_stages=2, **consts)
+        _paged_decode_kernel[grid](*args, **_fixed_fp32_config(consts), **consts)
     else:
         _tuned_kernel()[grid](*args, **consts)
     if split:

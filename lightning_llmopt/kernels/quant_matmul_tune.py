@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
 
 # (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, center); BLOCK_K is clipped to the group size.
@@ -157,6 +158,53 @@ def candidate_configs(
     return out
 
 
+def smem_bytes(kind: str, block_m: int, block_n: int, block_k: int, stages: int, bits: int, x_elem: int,
+               wide: bool = False) -> int:
+    """Upper estimate (bytes) of one program's shared memory for a configuration of ``kind``:
+
+    - ``"mma"``/``"mma_t"``: ``stages`` buffers of the activation tile ``BLOCK_M * BLOCK_K * x_elem`` and the code
+      tile ``BLOCK_N * BLOCK_K * bits / 8``, one dequantized weight tile and one activation operand tile in the
+      activations' dtype ``(BLOCK_N + BLOCK_M) * BLOCK_K * x_elem``, and one fp32 epilogue tile
+      ``BLOCK_M * BLOCK_N * 4``;
+    - ``"gemv"``/``"words"`` (element-wise, no ``tl.dot``): ``stages`` buffers of the codes
+      ``BLOCK_N * BLOCK_K * bits / 8`` (whole 32- or 64-bit words), the activations ``BLOCK_K * x_elem`` and the
+      scales and zero points ``BLOCK_N * 8``, and one fp32 accumulator tile for the final reduction (``BLOCK_N``
+      times ``BLOCK_K`` codes, or words)."""
+    codes = block_n * block_k * bits // 8
+    if kind in ("mma", "mma_t"):
+        step = block_m * block_k * x_elem + codes
+        return stages * step + (block_n + block_m) * block_k * x_elem + block_m * block_n * 4
+    if kind == "words":
+        per_elem = (64 if wide else 32) // bits
+        acc = block_n * max(1, block_k // per_elem) * 4
+    else:
+        acc = block_n * block_k * 4
+    return stages * (codes + block_k * x_elem + block_n * 8) + acc
+
+
+def config_smem_bytes(cfg: KernelConfig, bits: int, x_elem: int) -> int:
+    """:func:`smem_bytes` of a :class:`KernelConfig`."""
+    return smem_bytes(cfg.kind, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, bits, x_elem, cfg.wide)
+
+
+smem.register("_qmm_kernel")(lambda p: smem_bytes("mma", p["BLOCK_M"], p["BLOCK_N"], p["BLOCK_K"], p["num_stages"],
+                                                  p["BITS"], p["elem"]["X"]))
+smem.register("_qmv_kernel")(lambda p: smem_bytes("gemv", 1, p["BLOCK_N"], p["BLOCK_K"], p["num_stages"],
+                                                  p["BITS"], p["elem"]["X"]))
+smem.register("_qmv_words_kernel")(
+    lambda p: smem_bytes("words", 1, p["BLOCK_N"], p["BLOCK_W"] * (64 if p["WIDE"] else 32) // p["BITS"],
+                         p["num_stages"], p["BITS"], p["elem"]["X"], bool(p["WIDE"])))
+
+
+def fitting_configs(candidates: list[KernelConfig], x: Tensor, bits: int, group: int) -> list[KernelConfig]:
+    """The ``candidates`` whose :func:`config_smem_bytes` fits ``x``'s device (:func:`~.shared_memory.fit`: a clear
+    error where none does)."""
+    call = smem.describe([("M", x.shape[0]), ("K", x.shape[1]), ("bits", bits), ("group", group),
+                          ("dtype", str(x.dtype).split(".")[-1])])
+    return smem.fit("quantized matmul", candidates, lambda c: config_smem_bytes(c, bits, x.element_size()),
+                    smem.device_limit(x.device), call, count=False)  # counted in TUNE_STATS
+
+
 def _reference(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int) -> Tensor:
     """fp32 ``x @ dequant(W)^T`` from the kernel's byte view of the codes (the autotuner's correctness guard)."""
     codes = torch.stack((w & 0xF, w >> 4), dim=-1).reshape(w.shape[0], -1) if bits == 4 else w
@@ -281,7 +329,8 @@ def choose_config(
     asm = bits == 4 and zeros is None and x.dtype == torch.bfloat16
     words_asm = x.dtype != torch.float32
     candidates = candidate_configs(m, k, group, asm, words_asm, x_split=bits == 4, wide_words=bits == 4)
-    fallback = next(c for c in candidates if c.kind != "words")  # takes every shape
+    candidates = fitting_configs(candidates, x, bits, group)  # before anything is compiled or timed
+    fallback = next((c for c in candidates if c.kind != "words"), candidates[0])  # takes every shape
     if torch.cuda.is_current_stream_capturing() or os.environ.get("LLMOPT_QUANT_TUNE", "1") == "0":
         return fallback
     start = time.perf_counter()

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
 from lightning_llmopt.kernels.fused_common import next_pow2, use_interpreter
 
@@ -170,6 +171,40 @@ def _configs(block_d: int, two_pass: bool = False) -> list[triton.Config]:
     return out
 
 
+def smem_bytes(which: str, rows: int, block_d: int, two_pass: bool = False, chunk: int = 16) -> int:
+    """Upper estimate (bytes) of an RMSNorm program's shared memory: the row sums reduce across warps and the fp32
+    tile may change layout between the reduction and the store, so at most one fp32 tile of the rows
+    ``ROWS * width * 4`` (``width``: ``CHUNK`` for the two-pass forward, else ``BLOCK_D``), plus, in the backward, the
+    ``dw`` partial sums over the rows ``BLOCK_D * 4``. The loads feed no ``tl.dot``, so none is pipelined through
+    shared memory."""
+    width = chunk if which == "fwd" and two_pass else block_d
+    return rows * width * 4 + (block_d * 4 if which == "bwd" else 0)
+
+
+@smem.register("_rms_fwd_kernel")
+def _estimate_fwd(p: dict) -> int:
+    return smem_bytes("fwd", p["ROWS"], p["BLOCK_D"], bool(p["TWO_PASS"]) and not p["HAS_RES"], p["CHUNK"])
+
+
+@smem.register("_rms_bwd_kernel")
+def _estimate_bwd(p: dict) -> int:
+    return smem_bytes("bwd", p["ROWS"], p["BLOCK_D"])
+
+
+def _prune(which: str):  # type: ignore[no-untyped-def]
+    def prune(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
+        block_d = kwargs["BLOCK_D"]
+        two = which == "fwd" and not kwargs.get("HAS_RES", False)
+        device = smem.first_device(named_args)
+        return smem.fit(f"rmsnorm {which}", configs,
+                        lambda c: smem_bytes(which, c.kwargs["ROWS"], block_d, two and c.kwargs.get("TWO_PASS", False),
+                                             c.kwargs.get("CHUNK", 16)),
+                        smem.device_limit(device) if device is not None else None,
+                        smem.describe([("D", named_args.get("D"))]))
+
+    return prune
+
+
 _tuned: dict[tuple[str, int], object] = {}
 
 
@@ -179,7 +214,8 @@ def _tuned_kernel(which: str, block_d: int):  # type: ignore[no-untyped-def]
         fwd = which == "fwd"
         kernel = _rms_fwd_kernel if fwd else _rms_bwd_kernel
         keys = ["D", "HAS_RES", "STORE_RSTD"] if fwd else ["D"]
-        _tuned[key] = triton.autotune(configs=_configs(block_d, two_pass=fwd), key=keys)(kernel)
+        _tuned[key] = triton.autotune(configs=_configs(block_d, two_pass=fwd), key=keys,
+                                      prune_configs_by={"early_config_prune": _prune(which)})(kernel)
     return _tuned[key]
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
 from lightning_llmopt.kernels.fused_common import use_interpreter
 
@@ -54,13 +55,31 @@ def _configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK": blk}, num_warps=w) for blk, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8))]
 
 
+def smem_bytes(block: int, num_warps: int) -> int:
+    """Shared memory (bytes) of a SwiGLU program: none. Each element is loaded, computed and stored by the thread
+    that owns it: no ``tl.dot``, no reduction, no loop to pipeline, so no layout conversion goes through shared
+    memory whatever ``BLOCK`` and ``num_warps``."""
+    return 0
+
+
+for _name in ("_swiglu_fwd_kernel", "_swiglu_bwd_kernel"):
+    smem.register(_name)(lambda p: smem_bytes(p["BLOCK"], p["num_warps"]))
+
+
+def _prune(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
+    device = smem.first_device(named_args)
+    return smem.fit("swiglu", configs, lambda c: smem_bytes(c.kwargs["BLOCK"], c.num_warps),
+                    smem.device_limit(device) if device is not None else None)
+
+
 _tuned: dict[str, object] = {}
 
 
 def _kernel(which: str):  # type: ignore[no-untyped-def]
     if which not in _tuned:
         base = _swiglu_fwd_kernel if which == "fwd" else _swiglu_bwd_kernel
-        _tuned[which] = triton.autotune(configs=_configs(), key=["n_cols"])(base)
+        _tuned[which] = triton.autotune(configs=_configs(), key=["n_cols"],
+                                        prune_configs_by={"early_config_prune": _prune})(base)
     return _tuned[which]
 
 
