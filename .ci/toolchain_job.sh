@@ -36,8 +36,9 @@ assert not torch.cuda.is_available(), "toolchain job: expected a machine without
 print("versions:", ", ".join(f"{k} {v}" for k, v in {**have, "numpy": md.version("numpy")}.items()))
 PY
 suite_start=$(date +%s)
+echo "== toolchain job: venv and install in $((suite_start - start)) s"
 status=0
-"$work/venv/bin/python" -m pytest -m "not interpreter" -p no:cacheprovider || status=$?
+"$work/venv/bin/python" -m pytest -m "not interpreter" -p no:cacheprovider --durations=15 || status=$?
 echo "== toolchain job: pytest -m 'not interpreter' exit $status in $(($(date +%s) - suite_start)) s"
 "$work/venv/bin/python" .ci/toolchain_smoke.py || status=$?
 echo "== toolchain job done in $(($(date +%s) - start)) s (exit $status)"
