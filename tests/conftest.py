@@ -3,6 +3,9 @@
 - Without CUDA, ``TRITON_INTERPRET=1`` is set here, at import time, before any test module imports a kernel, so
   Triton kernels run in the interpreter on CPU tensors.
 - Tests marked ``gpu`` / ``multigpu`` are skipped with a reason on machines without enough CUDA devices.
+- Tests that run Triton kernels in the interpreter get the ``interpreter`` marker (see ``_uses_interpreter``), so
+  ``-m "not interpreter"`` runs the rest (the toolchain CI job: Triton 3.6's interpreter cannot run with numpy >= 2.4).
+  An unmarked test that launches an interpreted kernel fails and names the marker, so the marks stay complete.
 - ``dist_pool(world_size)`` hands out session-wide gloo worker pools (see ``lightning_llmopt.testing.distributed``).
 """
 
@@ -15,7 +18,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from lightning_llmopt.testing.triton import enable_interpreter_without_cuda, triton_available
+from lightning_llmopt.testing.triton import (
+    enable_interpreter_without_cuda,
+    triton_available,
+    triton_interpreter_available,
+    triton_interpreter_enabled,
+)
 
 enable_interpreter_without_cuda()  # must run before kernel modules are imported
 
@@ -27,6 +35,7 @@ pytest_plugins = ["pytester"]  # runs small pytest sessions in-process (marker t
 
 def pytest_configure(config: pytest.Config) -> None:
     register_markers(config)
+    _guard_interpreter_launches()
     # The engine's on-disk tuning cache: the suite neither reads a user's cache (GPU tests would skip the tuning they
     # test) nor leaves one behind. Set before any pool worker or server process starts, so they inherit it.
     if "LLMOPT_CACHE_DIR" not in os.environ:
@@ -43,8 +52,69 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_unavailable(items)
+    for item in items:
+        if item.get_closest_marker("interpreter") is None and _uses_interpreter(item):
+            item.add_marker(pytest.mark.interpreter)
     # ``run_last`` tests look at what the whole session left behind (the pool workers' threads): move them to the end
     items.sort(key=lambda item: item.get_closest_marker("run_last") is not None)  # stable: order kept otherwise
+
+
+_KERNEL_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels") + os.sep
+
+
+def _uses_interpreter(item: pytest.Item) -> bool:
+    """Whether a test runs Triton kernels (in the interpreter on CPU), judged before it runs.
+
+    Those are the tests under ``tests/kernels/``, the users of the ``triton_interpret`` fixture, and the tests whose
+    ``skipif`` (on the test, its class or module) names Triton or ``TRITON_INTERPRET`` in its reason: that is how the
+    suite states "needs the kernels to run here". Any other test that needs the interpreter carries
+    ``@pytest.mark.interpreter`` itself; ``_guard_interpreter_launches`` catches one that does not.
+    """
+    if str(item.path).startswith(_KERNEL_TESTS) or "triton_interpret" in getattr(item, "fixturenames", ()):
+        return True
+    return any("triton" in str(mark.kwargs.get("reason", "")).lower() for mark in item.iter_markers("skipif"))
+
+
+_RUNNING: list[pytest.Item | None] = [None]  # the test now in its call phase
+
+
+def _guard_interpreter_launches() -> None:
+    """Make a kernel launch in the interpreter fail a test that lacks the ``interpreter`` marker.
+
+    Wraps ``GridExecutor.__call__`` of ``triton.runtime.interpreter`` (every ``kernel[grid](...)`` launch goes through
+    it in Triton 3.6 to 3.9); only with the interpreter on, and only when that class exists. Launches in
+    other processes (pool workers, subprocesses) are not seen: such tests need the marker by one of the rules above.
+    """
+    if not triton_interpreter_available() or not triton_interpreter_enabled():
+        return
+    import triton.runtime.interpreter as interpreter
+
+    executor = getattr(interpreter, "GridExecutor", None)
+    if executor is None or getattr(executor.__call__, "_llmopt_guard", False):
+        return
+    launch = executor.__call__
+
+    def guarded(self: object, *args: object, **kwargs: object) -> object:
+        item = _RUNNING[0]
+        if item is not None and item.get_closest_marker("interpreter") is None:
+            pytest.fail(
+                f"{item.nodeid} launched a Triton kernel in the interpreter but is not marked: add "
+                "@pytest.mark.interpreter (the toolchain CI job deselects those tests with -m 'not interpreter')",
+                pytrace=False,
+            )
+        return launch(self, *args, **kwargs)
+
+    guarded._llmopt_guard = True  # type: ignore[attr-defined]
+    executor.__call__ = guarded
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    _RUNNING[0] = item
+    try:
+        yield
+    finally:
+        _RUNNING[0] = None
 
 
 @pytest.fixture(scope="session")

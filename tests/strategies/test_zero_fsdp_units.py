@@ -113,7 +113,10 @@ def test_embedding_unit_is_not_gathered_for_backward(tmp_path: object) -> None:
     class Check(L.Callback):
         def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: object) -> None:
             emb = pl_module.model.tok_embeddings
-            groups = emb._get_fsdp_state()._fsdp_param_groups
+            state = emb._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13: a list of groups per state
+            if groups is None:  # torch 2.11: one group (or None) per state
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
             assert groups and all(g.unshard_in_backward is False for g in groups)
             block0 = next(iter(pl_module.model.layers.values()))
             prefetched = getattr(block0._get_fsdp_state(), "_states_to_backward_prefetch", None) or []

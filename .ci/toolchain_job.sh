@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU toolchain job (issue 51): the suite on CPU with the GPU image's versions, in a new virtual environment.
+#   torch 2.11.0 (the CUDA build: pip has no CPU wheel of it; it imports and runs on CPU), triton 3.6.0 (torch 2.11's
+#   pin), transformers 5.17.0, lightning 2.6.6; every other dependency of ".[dev]" at its declared lower bound's
+#   series (.ci/lower_bounds.py), so each lower bound in pyproject.toml is a version CI runs (the main job, .ci/run,
+#   installs the newest).
+# Runs every test not marked `interpreter` (Triton 3.6's interpreter fails with numpy >= 2.4; the main job runs those
+# with Triton 3.9): engine, serve, CLI, strategies, models on their reference (non-Triton) paths. Then
+# .ci/toolchain_smoke.py calls the CUDA-only Triton hooks (the engine's knobs listeners) that no CPU test reaches.
+# Alone: `bash .ci/toolchain_job.sh` (about 4 GB of wheels on a cold pip cache). The venv is deleted at the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 WANDB_SILENT=true
+start=$(date +%s)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+echo "== toolchain job: torch 2.11 / triton 3.6 / transformers 5.17 / lightning 2.6.6, lower bounds elsewhere"
+python3 .ci/lower_bounds.py >"$work/constraints.txt"
+# the GPU image's exact versions, where the lower bound names only a series
+sed -i -e 's/^torch==.*/torch==2.11.0/' -e 's/^triton==.*/triton==3.6.0/' -e 's/^transformers==.*/transformers==5.17.0/' \
+  -e 's/^lightning==.*/lightning==2.6.6/' "$work/constraints.txt"
+echo "pytorch-lightning==2.6.6" >>"$work/constraints.txt"
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install -q -c "$work/constraints.txt" torch
+"$work/venv/bin/pip" install -q -c "$work/constraints.txt" -e ".[dev]"
+"$work/venv/bin/python" - <<'PY'
+import importlib.metadata as md
+
+import torch
+
+want = {"torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "lightning": "2.6.6"}
+have = {name: md.version(name) for name in want}
+assert have == want, f"toolchain job: installed {have}, wanted {want}"
+assert not torch.cuda.is_available(), "toolchain job: expected a machine without CUDA"
+print("versions:", ", ".join(f"{k} {v}" for k, v in {**have, "numpy": md.version("numpy")}.items()))
+PY
+suite_start=$(date +%s)
+echo "== toolchain job: venv and install in $((suite_start - start)) s"
+status=0
+"$work/venv/bin/python" -m pytest -m "not interpreter" -p no:cacheprovider --durations=15 || status=$?
+echo "== toolchain job: pytest -m 'not interpreter' exit $status in $(($(date +%s) - suite_start)) s"
+"$work/venv/bin/python" .ci/toolchain_smoke.py || status=$?
+echo "== toolchain job done in $(($(date +%s) - start)) s (exit $status)"
+exit "$status"
