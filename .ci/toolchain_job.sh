@@ -38,7 +38,22 @@ PY
 suite_start=$(date +%s)
 echo "== toolchain job: venv and install in $((suite_start - start)) s"
 status=0
-"$work/venv/bin/python" -m pytest -m "not interpreter" -p no:cacheprovider --durations=15 || status=$?
+# torch 2.11 on gloo: the V-shaped schedules (zbv, dualpipev) post a send from a rank to itself while initialising
+# their stages (torch 2.13 skips same-rank pairs), which gloo refuses ("Pair is not connected"); NCCL supports
+# self-sends, so the GPU path is not concerned. These tests run in the main job (torch 2.13).
+v_schedules=(
+  "tests/parallel/test_pipeline.py::test_every_schedule_two_ranks"
+  "tests/parallel/test_pipeline_trace.py::test_recorder_changes_nothing_and_records_each_action_once[dualpipev]"
+  "tests/parallel/test_pipeline_trace.py::test_recorder_changes_nothing_and_records_each_action_once[zbv]"
+  "tests/parallel/test_pipeline_wgrad.py::test_zero_bubble_schedules_match_one_process[zbv-deferred-0]"
+  "tests/parallel/test_pipeline_wgrad.py::test_zero_bubble_schedules_match_one_process[dualpipev-deferred-0]"
+  "tests/parallel/test_pipeline_wgrad.py::test_zero_bubble_schedules_match_one_process[zbv-deferred-2]"
+  "tests/strategies/test_nd_pipeline.py::test_every_schedule_two_ranks"
+  "tests/strategies/test_nd_pipeline.py::test_pipeline_with_tensor_parallel"
+)
+deselect=()
+for t in "${v_schedules[@]}"; do deselect+=(--deselect "$t"); done
+"$work/venv/bin/python" -m pytest -m "not interpreter" -p no:cacheprovider --durations=15 "${deselect[@]}" || status=$?
 echo "== toolchain job: pytest -m 'not interpreter' exit $status in $(($(date +%s) - suite_start)) s"
 "$work/venv/bin/python" .ci/toolchain_smoke.py || status=$?
 echo "== toolchain job done in $(($(date +%s) - start)) s (exit $status)"
