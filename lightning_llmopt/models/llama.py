@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_llmopt.models.attention import AttentionMask, attention
 from lightning_llmopt.models.config import LlamaConfig
+from lightning_llmopt.models.init import draw_base_seed, init_param_, local_tensor
 from lightning_llmopt.models.kv_cache import KVCache
 from lightning_llmopt.models.layer_pattern import SharedKV, attended_keys, layer_windows
 from lightning_llmopt.models.rope import apply_rope, rope_table
@@ -212,6 +213,18 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
+        # The seed of every parameter's generator (models/init.py), drawn before anything else so that it is the
+        # same whether the model is built here, on the meta device, or sharded later; two models built one after
+        # the other get different seeds.
+        self.init_seed = draw_base_seed()
+        device = torch.empty(0).device  # where the caller builds (a torch.device context, or the meta device)
+        with torch.device("meta"):  # no throw-away default initialisation: init_weights sets every value below
+            self._build(config)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def _build(self, config: LlamaConfig) -> None:
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
@@ -233,32 +246,42 @@ class Llama(nn.Module):
                     f"fused_kernels ({config.fused_kernels}) needs the kernel step: import lightning_llmopt.optimize"
                 )
             _KERNEL_STEP(self)
-        if not self.rope.is_meta:
-            self.init_weights()
 
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """(Re)initialise every parameter and buffer in place; works after ``to_empty`` from the meta device.
+        """(Re)initialise every parameter and buffer in place; works after ``to_empty`` from the meta device and on
+        sharded parameters (``DTensor``, expert shards, pipeline stages).
 
         Linear and embedding weights ~ N(0, init_std); each block's output projections (``wo``, ``w2``) use
-        ``init_std / sqrt(2 * n_layers)``; biases are zero and norm weights one.
+        ``init_std / sqrt(2 * n_layers)``; biases are zero and norm weights one. Each random weight comes from its
+        own generator seeded by ``(self.init_seed, its name)`` and is generated whole, then this process keeps its
+        shard (:mod:`lightning_llmopt.models.init`): the values do not depend on how the model is sharded.
+        ``buffer_device``: where buffers go and where weights are generated (default: each parameter's device).
         """
         cfg = self.config
         self.reset_buffers(buffer_device)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        device = buffer_device if buffer_device is not None and torch.device(buffer_device).type != "meta" else None
+        done: set[int] = set()  # a tied head is its embedding: initialised once, under the embedding's name
+
+        def normal(param: Tensor, name: str, std: float) -> None:
+            if id(param) not in done:
+                done.add(id(param))
+                init_param_(param, name, self.init_seed, lambda t, g: t.normal_(0.0, std, generator=g), device=device)
+
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Embedding):
+                normal(module.weight, f"{name}.weight", cfg.init_std)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                std = out_std if name.endswith((".wo", ".w2")) else cfg.init_std
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                normal(module.weight, f"{name}.weight", out_std if name.endswith((".wo", ".w2")) else cfg.init_std)
                 if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+                    local_tensor(module.bias).zero_()
             elif isinstance(module, RMSNorm):
-                module.reset_parameters()
+                local_tensor(module.weight).fill_(1.0)
             elif hasattr(module, "init_experts"):  # MoEFeedForward: stacked expert weights, balance bias
-                module.init_experts(cfg.init_std, out_std)
+                module.init_experts(cfg.init_std, out_std, prefix=name, seed=self.init_seed, device=device)
         if cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 

@@ -18,6 +18,7 @@ default runs every expert locally; :mod:`lightning_llmopt.parallel.expert_parall
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmopt.kernels.grouped_gemm import grouped_mm
+from lightning_llmopt.models.init import draw_base_seed, init_param_
 from lightning_llmopt.models.moe_config import MoEConfig
 from lightning_llmopt.models.moe_routing import Routing, aux_balance_loss, kept_assignments, load_stats, route, z_loss
 
@@ -159,21 +161,35 @@ class MoEFeedForward(nn.Module):
         self.tp_group: Any = None
 
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02, out_std: float = 0.02) -> None:
-        """Router and shared experts ~ N(0, std) (shared ``w2``: ``out_std``), then :meth:`init_experts`."""
-        nn.init.normal_(self.router.weight, std=std)
+    def init_weights(self, std: float = 0.02, out_std: float = 0.02, seed: int | None = None) -> None:
+        """Router and shared experts ~ N(0, std) (shared ``w2``: ``out_std``), then :meth:`init_experts`; each weight
+        from its own generator (``seed``: the base seed, default one draw from the CPU default generator)."""
+        seed = draw_base_seed() if seed is None else seed
+        weights = [("router.weight", self.router.weight, std)]
         if self.shared is not None:
-            nn.init.normal_(self.shared.w1.weight, std=std)
-            nn.init.normal_(self.shared.w3.weight, std=std)
-            nn.init.normal_(self.shared.w2.weight, std=out_std)
-        self.init_experts(std, out_std)
+            s = self.shared
+            weights += [("shared.w1.weight", s.w1.weight, std), ("shared.w3.weight", s.w3.weight, std)]
+            weights.append(("shared.w2.weight", s.w2.weight, out_std))
+        for name, w, sd in weights:
+            init_param_(w, name, seed, _normal(sd))
+        self.init_experts(std, out_std, seed=seed)
 
     @torch.no_grad()
-    def init_experts(self, std: float, out_std: float) -> None:
-        """Expert weights ``w1``, ``w3`` ~ N(0, std), ``w2`` ~ N(0, out_std); balance bias and counters zero."""
-        nn.init.normal_(self.experts.w1, std=std)
-        nn.init.normal_(self.experts.w3, std=std)
-        nn.init.normal_(self.experts.w2, std=out_std)
+    def init_experts(
+        self, std: float, out_std: float, prefix: str = "", seed: int | None = None, device: Any = None
+    ) -> None:
+        """Expert weights ``w1``, ``w3`` ~ N(0, std), ``w2`` ~ N(0, out_std); balance bias and counters zero.
+
+        Each weight is generated whole (all ``num_experts``) from a generator seeded by ``(seed, name)`` (names under
+        ``prefix``, the layer's path in its model) and this process keeps its experts: the ``DTensor`` shard, or
+        experts ``expert_offset ..`` of a plain tensor holding fewer than ``num_experts`` (expert parallelism).
+        """
+        seed = draw_base_seed() if seed is None else seed
+        head = f"{prefix}.experts." if prefix else "experts."
+        for name, sd in (("w1", std), ("w3", std), ("w2", out_std)):
+            w = getattr(self.experts, name)
+            shape = (self.num_experts, *w.shape[1:])
+            init_param_(w, head + name, seed, _normal(sd), shape=shape, offset=self.expert_offset, device=device)
         self.balance_bias.zero_()
         self.load.zero_()
         self.dropped.zero_()
@@ -219,6 +235,10 @@ class MoEFeedForward(nn.Module):
                 self.load += counts
                 self.dropped += dropped
         return out.to(x.dtype)
+
+
+def _normal(std: float) -> Callable[[Tensor, torch.Generator], Tensor]:
+    return lambda t, g: t.normal_(0.0, std, generator=g)
 
 
 def _flatten(routing: Routing) -> Routing:

@@ -350,7 +350,7 @@ def materialize(
             holder.add_module("target", target)
             allocate(holder, device, buffer_device=buffer_device)
             _reset_hf_rotary(target, buffer_device or device)
-    broadcast_parameters(module, mesh, "tp")  # replicated over tp: random init differs per rank on the CPU
+    broadcast_parameters(module, mesh, "tp")  # replicated over tp (init is already equal: a guard for user init)
     if not fsdp:
         experts = _expert_params(module)
         broadcast_parameters(module, mesh, "dp_cp", skip_sharded=False, exclude=experts)

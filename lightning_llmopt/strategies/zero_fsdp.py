@@ -5,8 +5,10 @@
    each ``layers`` ``ModuleList``/``ModuleDict``: our ``Llama.layers``, transformers' ``model.layers``) and to the
    final norm + output head as one unit, then to every top-level child of the LightningModule that holds parameters
    (the roots whose ``forward`` the module calls), and sets forward and backward prefetching along that chain.
-3. :func:`materialize` allocates only the local shards (``to_empty``) and initialises them: ``init_weights()`` where a
-   module defines it (``Llama``), else ``reset_parameters()``. No rank ever holds a full copy of the model.
+3. :func:`materialize` allocates only the local shards (``to_empty``) and initialises them, the same way in every
+   layout: our models by ``init_weights`` (each parameter from a generator seeded by its name), other modules by
+   replaying their eager initialisation (:mod:`lightning_llmopt.parallel.init`); a full tensor exists one parameter
+   at a time, no rank ever holds a full copy of the model.
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def materialize(module: nn.Module, device: torch.device, buffer_device: torch.de
     targets = [module] if own else [c for c in module.children() if _has_meta(c)]
     for target in targets:
         target.to_empty(device=device)
-        _initialise(target, skip_self=target is module)
+        _initialise(target, skip_self=target is module, device=buffer_device or device)
     if not own:
         for child in module.children():
             if all(child is not t for t in targets):
@@ -195,18 +197,23 @@ def _has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
-def _initialise(module: nn.Module, skip_self: bool) -> None:
-    """``init_weights()`` where a module defines it (its subtree is then done), else ``reset_parameters()``."""
+def _initialise(module: nn.Module, skip_self: bool, device: torch.device | None = None) -> None:
+    """Our models through their ``init_weights(buffer_device)`` (each parameter seeded by its name), everything else
+    (transformers models, plain heads) by replaying its eager initialisation on full tensors
+    (:func:`~lightning_llmopt.parallel.init.replay_init`); either way the values do not depend on the sharding.
+    ``device``: where the model computes, where full tensors are generated (default: the parameters' device)."""
+    from lightning_llmopt.parallel.init import replay_init
+
     done: set[int] = set()
     for sub in module.modules():
         if id(sub) in done:
             continue
         init = getattr(sub, "init_weights", None)
-        if callable(init) and not (skip_self and sub is module):
-            init()
+        if callable(init) and hasattr(sub, "init_seed") and not (skip_self and sub is module):
+            init(buffer_device=device)
             done.update(id(m) for m in sub.modules())
-        elif callable(getattr(sub, "reset_parameters", None)) and any(True for _ in sub.parameters(recurse=False)):
-            sub.reset_parameters()  # type: ignore[operator]
+    where = device or next((local(p).device for p in module.parameters()), torch.device("cpu"))
+    replay_init(module, where, skip=done)
 
 
 def _move_buffers(module: nn.Module, device: torch.device | None) -> None:
