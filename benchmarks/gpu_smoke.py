@@ -127,8 +127,13 @@ def _slug(name: str) -> str:
     return re.sub(r"[^\w.-]+", "_", name)
 
 
-def run_path(path: SmokePath, scratch: Path, log_dir: Path) -> dict[str, Any]:
-    """Run one path in its own process group; never raises."""
+def run_path(path: SmokePath, scratch: Path, log_dir: Path, deadline: float = float("inf")) -> dict[str, Any]:
+    """Run one path in its own process group, killed after its limit or at ``deadline`` (``time.monotonic``);
+    never raises."""
+    limit = min(path.limit, deadline - time.monotonic())
+    if limit <= 0:
+        return {"path": path.name, "ok": False, "seconds": 0.0, "detail": "", "command": shlex.join(path.argv),
+                "error": "not run: the run's --deadline had passed"}
     tmp = scratch / _slug(path.name)
     tmp.mkdir(parents=True, exist_ok=True)
     src = scratch / _slug(path.needs) if path.needs else tmp
@@ -142,7 +147,7 @@ def run_path(path: SmokePath, scratch: Path, log_dir: Path) -> dict[str, Any]:
         fh.flush()
         proc = subprocess.Popen(argv, cwd=tmp, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            code: int | None = proc.wait(timeout=path.limit)
+            code: int | None = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -154,7 +159,7 @@ def run_path(path: SmokePath, scratch: Path, log_dir: Path) -> dict[str, Any]:
         found = re.findall(path.detail_pattern, text, flags=re.MULTILINE)
         detail = found[-1].strip()[:400] if found else ""
     ok = code == 0
-    error = "" if ok else (f"timed out after {path.limit:.0f} s; last line: {_error_line(text)}" if code is None
+    error = "" if ok else (f"timed out after {limit:.0f} s; last line: {_error_line(text)}" if code is None
                            else f"exit {code}: {_error_line(text)}")
     return {"path": path.name, "ok": ok, "seconds": round(seconds, 1), "error": error, "detail": detail,
             "command": shlex.join(argv).replace(str(scratch), "$SCRATCH").replace(str(ROOT) + "/", "")}
@@ -167,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=6,
                         help="paths run at once beside the single-GPU training runs (which run one at a time)")
     parser.add_argument("--list", action="store_true", help="print the paths and exit")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds for the whole run: paths still running then are stopped, later ones not run "
+                             "(each is recorded as failed), and the record is written")
     parser.add_argument("--out", default=None, help="record folder (default benchmarks/results; CPU: a temp folder)")
     parser.add_argument("--logs", default=None, help="folder for each path's full output (default: a temp folder)")
     args = parser.parse_args(argv)
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[smoke] {len(paths)} paths; scratch {scratch}; logs {log_dir}", flush=True)
     start = time.perf_counter()
+    deadline = time.monotonic() + args.deadline if args.deadline else float("inf")
     results: dict[str, dict[str, Any]] = {}
 
     def report(r: dict[str, Any]) -> None:
@@ -205,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def lane(serial: list[SmokePath]) -> None:  # the training runs, one after another beside the pool
         for p in serial:
-            report(run_path(p, scratch, log_dir))
+            report(run_path(p, scratch, log_dir, deadline))
 
     rest = [p for p in paths if not p.serial]
     done: set[str] = set()
@@ -228,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                     done.add(p.name)
                     continue
                 queue.remove(p)
-                pending[pool.submit(run_path, p, scratch, log_dir)] = p
+                pending[pool.submit(run_path, p, scratch, log_dir, deadline)] = p
             if not pending:
                 continue
             finished, _ = futures.wait(pending, return_when=futures.FIRST_COMPLETED)
