@@ -8,13 +8,24 @@
 # with Triton 3.9): engine, serve, CLI, strategies, models on their reference (non-Triton) paths. Then
 # .ci/toolchain_smoke.py calls the CUDA-only Triton hooks (the engine's knobs listeners) that no CPU test reaches.
 # Alone: `bash .ci/toolchain_job.sh` (about 4 GB of wheels on a cold pip cache). The venv is deleted at the end.
+# `.ci/run` prepares the venv in the background while the main job runs (TOOLCHAIN_WORK=DIR bash
+# .ci/toolchain_job.sh prepare), then runs the tests in it (TOOLCHAIN_WORK=DIR bash .ci/toolchain_job.sh test);
+# without an argument both phases run, in a temporary folder deleted at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 WANDB_SILENT=true
 start=$(date +%s)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+phase=${1:-all}
+case "$phase" in all|prepare|test) ;; *) echo "usage: toolchain_job.sh [prepare|test]" >&2; exit 2 ;; esac
+if [ -n "${TOOLCHAIN_WORK:-}" ]; then
+  work=$TOOLCHAIN_WORK
+  mkdir -p "$work"
+else
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+fi
 
+if [ "$phase" != test ]; then
 echo "== toolchain job: torch 2.11 / triton 3.6 / transformers 5.17 / lightning 2.6.6, lower bounds elsewhere"
 python3 .ci/lower_bounds.py >"$work/constraints.txt"
 # the GPU image's exact versions, where the lower bound names only a series
@@ -22,7 +33,12 @@ sed -i -e 's/^torch==.*/torch==2.11.0/' -e 's/^triton==.*/triton==3.6.0/' -e 's/
   -e 's/^lightning==.*/lightning==2.6.6/' "$work/constraints.txt"
 echo "pytorch-lightning==2.6.6" >>"$work/constraints.txt"
 python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install -q -c "$work/constraints.txt" torch
+"$work/venv/bin/pip" install -q -c "$work/constraints.txt" torch  # the 4.6 GB part: what `prepare` runs early
+echo "== toolchain job: torch installed in $(($(date +%s) - start)) s"
+fi
+[ "$phase" = prepare ] && exit 0
+if [ "$phase" = test ]; then start=$(date +%s); fi
+# the package itself only now: an editable install writes into the tree, which the main job installs from too
 "$work/venv/bin/pip" install -q -c "$work/constraints.txt" -e ".[dev]"
 "$work/venv/bin/python" - <<'PY'
 import importlib.metadata as md
@@ -36,7 +52,7 @@ assert not torch.cuda.is_available(), "toolchain job: expected a machine without
 print("versions:", ", ".join(f"{k} {v}" for k, v in {**have, "numpy": md.version("numpy")}.items()))
 PY
 suite_start=$(date +%s)
-echo "== toolchain job: venv and install in $((suite_start - start)) s"
+echo "== toolchain job: install in $((suite_start - start)) s"
 status=0
 # torch 2.11 on gloo: the V-shaped schedules (zbv, dualpipev) post a send from a rank to itself while initialising
 # their stages (torch 2.13 skips same-rank pairs), which gloo refuses ("Pair is not connected"); NCCL supports

@@ -103,7 +103,7 @@ class LLMOptCLI(LightningCLI):
 
     def _report(self) -> None:
         metrics = self.trainer.callback_metrics
-        monitors = [c for c in self.trainer.callbacks if isinstance(c, TrainingMonitor)]
+        monitors = [c for c in getattr(self.trainer, "callbacks", []) if isinstance(c, TrainingMonitor)]
         perf = monitors[0].summary_line() if monitors and self.trainer.is_global_zero else ""
         if perf:
             print(perf, flush=True)

@@ -168,9 +168,10 @@ def watch_triton(startup: StartupLog, knobs: Any = None) -> None:
     if knobs is None:
         try:
             import triton
-            from triton import knobs
+            from triton import knobs as triton_knobs
         except ImportError:
             return
+        knobs = triton_knobs
         version = getattr(triton, "__version__", version)
     else:
         version = getattr(knobs, "version", version)
