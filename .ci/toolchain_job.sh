@@ -8,9 +8,9 @@
 # with Triton 3.9): engine, serve, CLI, strategies, models on their reference (non-Triton) paths. Then
 # .ci/toolchain_smoke.py calls the CUDA-only Triton hooks (the engine's knobs listeners) that no CPU test reaches.
 # Alone: `bash .ci/toolchain_job.sh` (about 4 GB of wheels on a cold pip cache). The venv is deleted at the end.
-# `.ci/run` prepares the venv in the background while the main job runs (TOOLCHAIN_WORK=DIR bash
-# .ci/toolchain_job.sh prepare), then runs the tests in it (TOOLCHAIN_WORK=DIR bash .ci/toolchain_job.sh test);
-# without an argument both phases run, in a temporary folder deleted at the end.
+# Phases: `prepare` (venv and torch 2.11), `test` (the package and the tests, in a venv `prepare` made); without an
+# argument both. TOOLCHAIN_WORK=DIR keeps the venv there (`.ci/run` passes a folder it deletes); otherwise a
+# temporary folder is deleted at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 WANDB_SILENT=true
