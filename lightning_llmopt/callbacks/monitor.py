@@ -180,8 +180,10 @@ class TrainingMonitor(L.Callback):
         if not s:
             return ""
         mfu = f", {100 * s['mfu']:.1f}% MFU" if "mfu" in s else ""
+        tflops = s["tflops_per_device"]
+        shown = f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}"  # a CPU run of a tiny model: 0.0031, not 0.0
         return (f"throughput: {s['tokens_per_sec_per_device']:,.0f} tokens/s per device, "
-                f"{s['tflops_per_device']:.1f} TFLOP/s{mfu} ({int(s['steps'])} steps timed)")
+                f"{shown} TFLOP/s{mfu} ({int(s['steps'])} steps timed)")
 
 
 def moe_metrics(stats: dict[str, Tensor]) -> dict[str, float]:
