@@ -43,6 +43,7 @@ ROOT = records.REPO_ROOT
 CONFIGS = ROOT / "examples" / "configs"
 PATHS = Path(__file__).resolve().parent / "gpu_smoke_paths.py"
 SINGLE_GPU_CONFIGS = ("125m_gpu", "1b_gpu")
+RUN_START = [time.monotonic()]  # set again when a run starts: each path records its start offset from it
 MULTI_GPU_CONFIGS = ("1b_4gpu", "llama3-8b_4gpu")
 
 
@@ -142,6 +143,7 @@ def run_path(path: SmokePath, scratch: Path, log_dir: Path, deadline: float = fl
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
+    started = time.monotonic() - RUN_START[0]
     with open(log, "w") as fh:
         fh.write(f"$ {shlex.join(argv)}\n")
         fh.flush()
@@ -161,7 +163,8 @@ def run_path(path: SmokePath, scratch: Path, log_dir: Path, deadline: float = fl
     ok = code == 0
     error = "" if ok else (f"timed out after {limit:.0f} s; last line: {_error_line(text)}" if code is None
                            else f"exit {code}: {_error_line(text)}")
-    return {"path": path.name, "ok": ok, "seconds": round(seconds, 1), "error": error, "detail": detail,
+    return {"path": path.name, "ok": ok, "seconds": round(seconds, 1), "started_s": round(started, 1),
+            "load_at_end": round(os.getloadavg()[0], 1), "error": error, "detail": detail,
             "command": shlex.join(argv).replace(str(scratch), "$SCRATCH").replace(str(ROOT) + "/", "")}
 
 
@@ -203,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"[smoke] {len(paths)} paths; scratch {scratch}; logs {log_dir}", flush=True)
     start = time.perf_counter()
+    RUN_START[0] = time.monotonic()
     deadline = time.monotonic() + args.deadline if args.deadline else float("inf")
     results: dict[str, dict[str, Any]] = {}
 

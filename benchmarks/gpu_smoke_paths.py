@@ -105,6 +105,9 @@ def serve(device: str, workdir: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+        for line in (workdir / "server.log").read_text(errors="replace").splitlines():  # the start-up phases
+            if "llmopt serve: loading:" in line or "engine ready" in line:
+                print(line, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -149,7 +152,9 @@ def engine(family: str, device: str) -> None:
     from lightning_llmopt.inference.speculative import SpeculativeConfig
     from lightning_llmopt.models import greedy_generate
 
+    t0 = time.perf_counter()
     model = _model(family, device)
+    print(f"[{family}] model trained in {time.perf_counter() - t0:.1f} s", flush=True)
     g = torch.Generator().manual_seed(2)
     prompts = [_periodic(g, 1, n)[0].tolist() for n in (17, 33, 48, 90)]
     new = 48
@@ -161,6 +166,7 @@ def engine(family: str, device: str) -> None:
     failures: list[str] = []
 
     def check(name: str, build: Any, exact: bool = True, passes: int = 1) -> None:
+        t0 = time.perf_counter()
         try:
             eng = build()
         except ValueError as exc:  # an option this family refuses by name (docs say which)
@@ -168,6 +174,9 @@ def engine(family: str, device: str) -> None:
                 raise
             report.append(f"{name}: refused ({exc})")
             return
+        built = time.perf_counter() - t0
+        totals = eng.startup.summary()["totals"]
+        print(f"[{family}] {name}: built in {built:.1f} s (start-up totals {totals})", flush=True)
         cached = 0
         for i in range(passes):
             completions = eng.generate(prompts, params)
@@ -185,6 +194,7 @@ def engine(family: str, device: str) -> None:
             failures.append(f"{name}: the second pass hit no cached prefix")
         hits = f", {cached} prompt tokens from the prefix cache" if passes > 1 else ""
         report.append(f"{name}: {'exact' if exact else f'{same}/{total}'}{used}{hits}")
+        print(f"[{family}] {name}: done in {time.perf_counter() - t0:.1f} s", flush=True)
 
     check("graphs+prefix", lambda: LLMEngine(model, **base), passes=2)
     check("eager", lambda: LLMEngine(model, **base, cuda_graphs=False, enable_prefix_caching=False))
@@ -216,7 +226,11 @@ def flash(device: str, workdir: Path) -> None:
         (1, 257, 257, 4, 4, 192, True, None),  # MLA prefill's head dim (128 + 64)
         (2, 300, 300, 4, 2, 128, True, 64),
     ]
-    worst = max(_flash_case(*case, device=device, dtype=dtype, backend=backend) for case in cases)
+    worst = 0.0
+    for case in cases:
+        t0 = time.perf_counter()
+        worst = max(worst, _flash_case(*case, device=device, dtype=dtype, backend=backend))
+        print(f"[flash] B,Sq,Sk,H,Hkv,D,causal,window={case}: {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"flash: {len(cases)} shapes fwd+bwd ({backend}, {dtype}); worst error / bound = {worst:.2f}")
 
 

@@ -17,7 +17,10 @@ labelled::
     --- completion 0.0 (length, 64 tokens) ---
         return ...
 
-The run ends with one line of engine figures (stderr): prefix-cache hits, time to first token and throughput.
+While the engine builds, each start-up phase prints a line to stderr (``llmopt generate: loading: ...``: its
+seconds, the kernel searches timed and Triton compilations in it, as ``llmopt serve`` prints them; ``--quiet`` turns
+them off): a cold start tunes and compiles kernels for a while before the first token. The run ends with one line of
+engine figures (stderr): prefix-cache hits, time to first token and throughput.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--trust-pickle", action="store_true", help="allow full unpickling of a Lightning .ckpt")
+    p.add_argument("--quiet", action="store_true", help="no start-up progress lines on stderr")
     return p
 
 
@@ -77,13 +81,18 @@ def _load_engine(args: argparse.Namespace) -> Any:
     from lightning_llmopt.data.tokenizers import load_tokenizer
     from lightning_llmopt.inference import LLMEngine
     from lightning_llmopt.inference.loading import load_model
+    from lightning_llmopt.inference.startup import StartupLog
     from lightning_llmopt.models import Llama, LlamaConfig
 
+    quiet = getattr(args, "quiet", False)
+    startup = StartupLog(on_line=None if quiet else (
+        lambda line: print(f"llmopt generate: loading: {line}", file=sys.stderr, flush=True)))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype] if args.dtype else None
     if (args.model is None) == (args.preset is None):
         raise SystemExit("pass exactly one of MODEL (a checkpoint path) and --preset NAME")
     tokenizer = None
+    startup.mark("random init" if args.preset is not None else "load weights")
     if args.preset is not None:
         torch.manual_seed(0)
         model = Llama(LlamaConfig.from_preset(args.preset)).to(
@@ -108,7 +117,9 @@ def _load_engine(args: argparse.Namespace) -> Any:
     )
     if args.kv_int8_calibration:
         kw["kv_dtype"] = "int8"
-    engine = LLMEngine(model, tokenizer, **kw)
+    engine = LLMEngine(model, tokenizer, startup=startup, **kw)
+    if not quiet:
+        print(f"llmopt generate: engine ready in {startup.total_s or 0.0:.1f} s", file=sys.stderr, flush=True)
     if args.kv_int8_calibration:
         if tokenizer is None:
             raise SystemExit("--kv-int8-calibration needs a tokenizer to encode its text")
