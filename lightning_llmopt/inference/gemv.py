@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import precompile
 from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
 from lightning_llmopt.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_enabled  # noqa: F401
@@ -316,7 +317,7 @@ def _launch_gemv(x: Tensor, weights: list[Tensor], biases: list[Tensor] | None, 
         _gemv_kernel[(triton.cdiv(n_out, 16),)](*args, **consts, EVEN=even, **meta)
         return y, res
     if _tuned_gemv is None:
-        _tuned_gemv = triton.autotune(
+        _tuned_gemv = precompile.autotune(
             configs=_gemv_configs(), key=["N0", "N1", "N2", "K", "NUM_W", "SWIGLU", "NORM", "HAS_DELTA"],
             prune_configs_by={"early_config_prune": _prune(False)},
         )(triton.heuristics({"EVEN": _even})(_gemv_kernel))
@@ -337,7 +338,7 @@ def _launch_rows(args: tuple, consts: dict, M: int, n_out: int, ieee: bool) -> N
         _gemv_rows_kernel[(triton.cdiv(n_out, 16),)](*args, **consts, IEEE=ieee, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
         return
     if _tuned_rows is None:
-        _tuned_rows = triton.autotune(
+        _tuned_rows = precompile.autotune(
             configs=_rows_configs(), key=["N0", "N1", "N2", "K", "NUM_W", "SWIGLU", "NORM", "HAS_DELTA", "IEEE"],
             prune_configs_by={"early_config_prune": _prune(True)},
         )(_gemv_rows_kernel)

@@ -13,12 +13,13 @@ A build is a sequence of phases, each started by :meth:`StartupLog.mark` (which 
 Each phase records, beside its seconds, what happened inside it: ``linear_tunings``/``linear_tuning_s`` (the
 :class:`~.linear_chooser.LinearChooser` decisions timed), ``quant_tunings``/``quant_tuning_s`` (quantized matmul
 searches), ``triton_compiles``/``triton_compile_s``/``triton_compile_cache_hits`` and
-``triton_autotunes``/``triton_autotune_s``/``triton_autotune_cache_hits`` (Triton's listeners, on CUDA), and
-``tuning_cache_hits``. A Triton without one of those listeners (3.6 has no autotuning listener) gets a note
-instead, e.g. ``triton_autotune_listener: unavailable (triton 3.6.0) ...`` (:attr:`StartupLog.notes`, in the
-summary and printed as a line), and the searches are counted from the package kernels' own prunes. The engine
-keeps its log as ``engine.startup``; ``llmopt serve`` prints a line per phase
-while loading and ``/health`` shows the phases done so far.
+``triton_autotunes``/``triton_autotune_s``/``triton_autotune_cache_hits`` (Triton's listeners, on CUDA),
+``parallel_compiles``/``parallel_compile_s`` (search candidates compiled on threads before being timed,
+:mod:`~lightning_llmopt.kernels.precompile`) and ``tuning_cache_hits``. A Triton without one of those listeners (3.6
+has no autotuning listener) gets a note instead, e.g. ``triton_autotune_listener: unavailable (triton 3.6.0) ...``
+(:attr:`StartupLog.notes`, in the summary and printed as a line), and the searches are counted from the package
+kernels' own prunes. The engine keeps its log as ``engine.startup``; ``llmopt serve`` prints a line per phase while
+loading and ``/health`` shows the phases done so far.
 """
 
 from __future__ import annotations

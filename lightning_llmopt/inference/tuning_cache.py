@@ -259,6 +259,8 @@ def attach(
     matmul's search (CUDA), and Triton's autotuner (its own disk cache, CUDA). ``startup`` (a
     :class:`~.startup.StartupLog`) then counts the decisions timed, the searches run and the cache hits per phase
     (``shared_counters=False``: only the runner's own decisions, for a second runner over the same cache)."""
+    from lightning_llmopt.kernels import precompile  # imports no Triton
+
     quant_matmul_tune: Any = None
     if importlib.util.find_spec("triton") is not None:  # the quantized matmul's search exists with Triton only
         from lightning_llmopt.kernels import quant_matmul_tune
@@ -288,6 +290,9 @@ def attach(
                 out["quant_tuning_s"] = float(quant_matmul_tune.TUNE_STATS["seconds"])
             if shared_counters and cache is not None:
                 out["tuning_cache_hits"] = float(cache.hits)
+            if shared_counters:  # candidates compiled on threads before a search timed them (kernels/precompile.py)
+                out["parallel_compiles"] = float(precompile.STATS["calls"])
+                out["parallel_compile_s"] = float(precompile.STATS["seconds"])
             return out
 
         startup.add_source(counters)

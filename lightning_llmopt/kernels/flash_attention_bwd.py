@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import precompile
 from lightning_llmopt.kernels.flash_attention_bwd_wgmma import launch_dkdv, wgmma_supported
 from lightning_llmopt.kernels.flash_attention_common import (
     DKDV_TUNE_KEY,
@@ -309,7 +310,7 @@ def _tuned_kernel(name: str):  # type: ignore[no-untyped-def]
     if name not in _tuned:
         kernel = _flash_bwd_dkdv_kernel if name == "dkdv" else _flash_bwd_dq_kernel
         table = launch_configs(name)
-        _tuned[name] = triton.autotune(
+        _tuned[name] = precompile.autotune(
             configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in table],
             key=DKDV_TUNE_KEY if name == "dkdv" else TUNE_KEY,
             prune_configs_by={"early_config_prune": prune_for_head_dim(name)},

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from lightning_llmopt.kernels import precompile
 from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_common import (
     DKDV_TUNE_KEY,
@@ -283,7 +284,7 @@ def _make_tuner():  # type: ignore[no-untyped-def]
         every = {t for rows in _CONFIGS.values() for t in rows}
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "STAGES": s}, num_warps=w, num_stages=1)
                    for m, n, w, s in sorted(every)]
-        tune = triton.autotune(configs=configs, key=DKDV_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})
+        tune = precompile.autotune(configs=configs, key=DKDV_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})
         _tuner.append(tune(_dkdv_wgmma_kernel))
     return _tuner[0]
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import precompile
 from lightning_llmopt.kernels.flash_attention_common import (
     LOG2E,
     TUNE_KEY,
@@ -186,7 +187,7 @@ _tuned_fwd = None
 def _tuned_fwd_kernel():  # type: ignore[no-untyped-def]
     global _tuned_fwd
     if _tuned_fwd is None:
-        _tuned_fwd = triton.autotune(
+        _tuned_fwd = precompile.autotune(
             configs=[triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in launch_configs("fwd")],
             key=TUNE_KEY,
             prune_configs_by={"early_config_prune": prune_for_head_dim("fwd")},

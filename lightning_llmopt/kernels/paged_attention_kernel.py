@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import precompile
 from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
 
@@ -251,7 +252,7 @@ def _prune(configs, named_args, **kwargs):  # type: ignore[no-untyped-def]
 def _tuned_kernel():  # type: ignore[no-untyped-def]
     # the split sizes are not in the key: one tuning per head layout, whatever the batch (so CUDA graphs of every
     # batch size reuse it instead of re-tuning)
-    return triton.autotune(configs=_configs(), key=["GROUP", "HEAD_D", "PAGE", "QUANT", "SPLIT", "HAS_WINDOW"],
+    return precompile.autotune(configs=_configs(), key=["GROUP", "HEAD_D", "PAGE", "QUANT", "SPLIT", "HAS_WINDOW"],
                            prune_configs_by={"early_config_prune": _prune})(_paged_decode_kernel)
 
 

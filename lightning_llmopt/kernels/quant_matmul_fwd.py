@@ -39,7 +39,9 @@ no conversion kernel, deterministic order); the GEMV kernel's add into an fp32 b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 import torch
 import triton
@@ -150,6 +152,13 @@ def _split_counters(device: torch.device, tiles: int) -> Tensor:
     return buf
 
 
+def _counters(device: torch.device, tiles: int, compile_only: bool) -> Tensor:
+    """:func:`_split_counters`, or a new unzeroed buffer of its dtype for a compile-only call."""
+    if compile_only:
+        return torch.empty(max(tiles, 1 << 12), dtype=torch.int32, device=device)
+    return _split_counters(device, tiles)
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """A launch configuration.
@@ -196,17 +205,38 @@ class KernelConfig:
     fixed_strides: bool = False
 
 
+def _kernel_call(kernel: Any, grid: tuple, compile_only: bool) -> Any:
+    """``kernel[grid]``, or with ``compile_only`` its compile-only form (``warmup``: compiled, not launched)."""
+    return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+
+
+@overload
 def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group: int,
-           cfg: KernelConfig) -> Tensor:
+           cfg: KernelConfig, compile_only: Literal[False] = False) -> Tensor: ...
+
+
+@overload
+def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group: int,
+           cfg: KernelConfig, compile_only: Literal[True]) -> None: ...
+
+
+def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group: int,
+           cfg: KernelConfig, compile_only: bool = False) -> Tensor | None:
     """Run one configuration. ``x`` ``(M, K)``; ``w`` uint8 codes ``(N, K * bits / 8)``; ``scales``/``zeros``
-    ``(N, K / G)`` (``group`` = ``G``, 0 for per-channel). Returns ``(M, N)`` in ``x.dtype``."""
+    ``(N, K / G)`` (``group`` = ``G``, 0 for per-channel). Returns ``(M, N)`` in ``x.dtype``.
+
+    ``compile_only``: compile the kernel this call would launch and return ``None`` (nothing launched, no shared
+    scratch touched; :func:`~lightning_llmopt.kernels.precompile.compile_all` runs these on threads)."""
     m, k = x.shape
     n = w.shape[0]
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_split)
     atomic = splits > 1 and cfg.kind == "gemv"  # fp32 atomics into a zeroed buffer
     fixup = splits > 1 and not atomic  # partial slices, summed by the tile's last program (_split_fixup)
-    y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else x.new_empty((m, n))
+    if compile_only:  # buffers of the launch's dtypes and layouts, allocated only (no kernel, no shared counters)
+        y = x.new_empty((m, n), dtype=torch.float32 if atomic else x.dtype)
+    else:
+        y = torch.zeros((m, n), device=x.device, dtype=torch.float32) if atomic else x.new_empty((m, n))
     partials = torch.empty((splits, m, n), device=x.device, dtype=torch.float32) if fixup else y
     z_arg = zeros if zeros is not None else scales
     pdl = pdl_enabled(x.device)  # the words and tensor-core kernels launch as programmatic dependents on Hopper
@@ -235,8 +265,8 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         even = even or rem_w > 0
         # fmt: off
         tiles = triton.cdiv(n, cfg.block_n)
-        counters = _split_counters(x.device, tiles) if fixup else y
-        _qmv_words_kernel[(tiles, splits)](
+        counters = _counters(x.device, tiles, compile_only) if fixup else y
+        _kernel_call(_qmv_words_kernel, (tiles, splits), compile_only)(
             x, words, scales, z_arg, y, partials, counters, n, k, k_split, words.stride(0), scales.stride(0),
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, FIXUP=fixup,
             TILE_SCALE=group > 0 and group % cfg.block_k == 0, EXACT=x.dtype == torch.float32, ASM=cfg.asm,
@@ -250,7 +280,7 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         if m != 1:
             raise ValueError(f"the gemv kernel takes one row, got M={m}")
         # fmt: off
-        _qmv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        _kernel_call(_qmv_kernel, (triton.cdiv(n, cfg.block_n), splits), compile_only)(
             x, w, scales, z_arg, y, n, k, k_split, w.stride(0), scales.stride(0),
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, ATOMIC=atomic,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -262,10 +292,10 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         widen = bits == 4 and cfg.widen
         x_split = bits == 4 and cfg.x_split and not widen
         if x_split:  # even columns then odd ones: contiguous activation tiles for the two nibble planes
-            x = x.unflatten(1, (k // 2, 2)).transpose(1, 2).reshape(m, k)
+            x = x.new_empty((m, k)) if compile_only else x.unflatten(1, (k // 2, 2)).transpose(1, 2).reshape(m, k)
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        counters = _split_counters(x.device, tiles) if fixup else y
-        _qmm_kernel[(tiles, splits)](
+        counters = _counters(x.device, tiles, compile_only) if fixup else y
+        _kernel_call(_qmm_kernel, (tiles, splits), compile_only)(
             x, w, scales, z_arg, y, partials, counters, m, n, k, k_split, x.stride(0), w.stride(0), scales.stride(0),
             y.stride(0),
             BITS=bits, GROUP=group, HAS_ZERO=zeros is not None, FIXUP=fixup, MODE=mode, OFFSET=_OFFSETS[mode],
@@ -277,6 +307,8 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
         # fmt: on
     else:
         raise ValueError(f"unknown kernel kind {cfg.kind!r}: one of 'mma', 'mma_t', 'gemv', 'words'")
+    if compile_only:
+        return None
     return y.to(x.dtype) if atomic else y
 
 

@@ -16,6 +16,7 @@ slower kernels). Under the Triton interpreter fixed small tiles are used.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import asdict, replace
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_llmopt.kernels import shared_memory as smem
+from lightning_llmopt.kernels.precompile import compile_all
 from lightning_llmopt.kernels.quant_matmul_fwd import KernelConfig, launch
 
 # (kind, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, center); BLOCK_K is clipped to the group size.
@@ -334,6 +336,9 @@ def choose_config(
     if torch.cuda.is_current_stream_capturing() or os.environ.get("LLMOPT_QUANT_TUNE", "1") == "0":
         return fallback
     start = time.perf_counter()
+    # every candidate compiled first, on threads (kernels/precompile.py); then each is checked and timed in turn
+    compile_all(functools.partial(launch, x, w, scales, zeros, bits, group, cfg, compile_only=True)
+                for cfg in candidates)
     ref = _reference(x, w, scales, zeros, bits)
     copies = _weight_copies(w, scales, zeros)
     best, best_ms = fallback, float("inf")

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import precompile
 from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
 from lightning_llmopt.kernels.fused_common import next_pow2, use_interpreter
@@ -214,7 +215,7 @@ def _tuned_kernel(which: str, block_d: int):  # type: ignore[no-untyped-def]
         fwd = which == "fwd"
         kernel = _rms_fwd_kernel if fwd else _rms_bwd_kernel
         keys = ["D", "HAS_RES", "STORE_RSTD"] if fwd else ["D"]
-        _tuned[key] = triton.autotune(configs=_configs(block_d, two_pass=fwd), key=keys,
+        _tuned[key] = precompile.autotune(configs=_configs(block_d, two_pass=fwd), key=keys,
                                       prune_configs_by={"early_config_prune": _prune(which)})(kernel)
     return _tuned[key]
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_llmopt.kernels import precompile
 from lightning_llmopt.kernels import shared_memory as smem
 from lightning_llmopt.kernels.flash_attention_interp import ensure_interpreted_stdlib
 from lightning_llmopt.kernels.fused_common import use_interpreter
@@ -78,7 +79,7 @@ _tuned: dict[str, object] = {}
 def _kernel(which: str):  # type: ignore[no-untyped-def]
     if which not in _tuned:
         base = _swiglu_fwd_kernel if which == "fwd" else _swiglu_bwd_kernel
-        _tuned[which] = triton.autotune(configs=_configs(), key=["n_cols"],
+        _tuned[which] = precompile.autotune(configs=_configs(), key=["n_cols"],
                                         prune_configs_by={"early_config_prune": _prune})(base)
     return _tuned[which]
 
