@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/gpu_smoke.py                 # everything, on the GPU (about 4 minutes on one H200)
+    python benchmarks/gpu_smoke.py                 # everything, on the GPU (266 s on one H200, cold caches)
     python benchmarks/gpu_smoke.py --only fit:1b_gpu engine:gqa   # a subset (names as in the record)
     python benchmarks/gpu_smoke.py --list          # the paths and their commands
     python benchmarks/gpu_smoke.py --device cpu    # the harness itself on CPU, each path shrunk (slow: minutes)
