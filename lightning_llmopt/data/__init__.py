@@ -1,8 +1,13 @@
 """Data: tokenizers, corpora, chunking and the resumable ``TextDataModule``.
 
 Only ``datamodule`` imports Lightning; everything else is torch/numpy and usable without a ``Trainer``.
+``TextDataModule`` is imported on first access, so ``lightning_llmopt.data.tokenizers`` (``llmopt generate``,
+``serve``) does not import Lightning.
 """
 
+from typing import TYPE_CHECKING
+
+from lightning_llmopt._lazy import lazy_exports
 from lightning_llmopt.data.corpus import default_corpus_files, read_documents
 from lightning_llmopt.data.curriculum import (
     CurriculumSampler,
@@ -13,7 +18,6 @@ from lightning_llmopt.data.curriculum import (
     seq_len_schedule,
     staged,
 )
-from lightning_llmopt.data.datamodule import TextDataModule
 from lightning_llmopt.data.dedup import MinHashDeduplicator
 from lightning_llmopt.data.instruct import InstructionDataset
 from lightning_llmopt.data.mixture import fixed_mixture, lp_mixture, take_tokens
@@ -21,6 +25,9 @@ from lightning_llmopt.data.packing import StreamingPacker, best_fit, first_fit_d
 from lightning_llmopt.data.quality import DocumentPreprocessor, QualityFilter
 from lightning_llmopt.data.sampler import ResumableDataLoader, ResumableShardedSampler
 from lightning_llmopt.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from lightning_llmopt.data.datamodule import TextDataModule
 
 __all__ = [
     "ByteTokenizer",
@@ -51,3 +58,5 @@ __all__ = [
     "take_tokens",
     "read_documents",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, {"TextDataModule": "datamodule"}, globals())

@@ -8,12 +8,14 @@
 - :mod:`lightning_llmopt.testing.lightning_env`: :class:`PoolEnvironment`, a Trainer inside a pool worker.
 - :mod:`lightning_llmopt.testing.scripts`: :func:`load_script`, a file outside a package (``benchmarks/``) as a module.
 
-Importing this package imports neither pytest nor triton; ``RunIf`` and the markers load pytest on first access.
+Importing this package imports neither pytest, triton nor Lightning (the kernels import ``testing.triton``, and
+``llmopt generate`` must not pay for Lightning): ``RunIf`` and the markers load pytest on first access,
+``PoolEnvironment`` loads Lightning.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_llmopt.testing.data import RandomTokens
 from lightning_llmopt.testing.distributed import (
@@ -24,7 +26,6 @@ from lightning_llmopt.testing.distributed import (
     get_pool,
     run_distributed,
 )
-from lightning_llmopt.testing.lightning_env import PoolEnvironment
 from lightning_llmopt.testing.triton import (
     enable_interpreter_without_cuda,
     triton_available,
@@ -32,6 +33,9 @@ from lightning_llmopt.testing.triton import (
     triton_interpreter_available,
     triton_interpreter_enabled,
 )
+
+if TYPE_CHECKING:
+    from lightning_llmopt.testing.lightning_env import PoolEnvironment
 
 _MARKER_NAMES = ("RunIf", "gpu", "multigpu", "requires_triton", "skip_unavailable", "register_markers")
 
@@ -58,4 +62,8 @@ def __getattr__(name: str) -> Any:
         from lightning_llmopt.testing import markers
 
         return getattr(markers, name)
+    if name == "PoolEnvironment":  # lazy: Lightning
+        from lightning_llmopt.testing.lightning_env import PoolEnvironment
+
+        return PoolEnvironment
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
