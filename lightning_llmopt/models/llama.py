@@ -225,7 +225,10 @@ class Llama(nn.Module):
             self.init_weights()
 
     def _build(self, config: LlamaConfig) -> None:
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        # built on the meta device: an explicit weight skips Embedding's own normal_ init, whose meta kernel imports
+        # torch._dynamo (seconds); init_weights sets every value
+        weight = torch.empty(config.vocab_size, config.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim, _weight=weight)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -233,10 +236,10 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         assert config.head_dim is not None
         self.rope: Tensor
+        # the (max_seq_len, rope_dim / 2, 2) table: laid out only, here on the meta device (computing it there runs
+        # Python meta kernels that import torch._dynamo); reset_buffers computes it wherever the model materialises
         self.register_buffer(
-            "rope",
-            rope_table(config.max_seq_len, config.rope_dim, config.rope_theta, config.rope_scaling),
-            persistent=False,
+            "rope", torch.empty(config.max_seq_len, config.rope_dim // 2, 2, dtype=torch.float32), persistent=False
         )
         # Set to a fused linear + cross-entropy module by optimize_model(fused_ce=True); used by :meth:`loss`.
         self.fused_loss: nn.Module | None = None
