@@ -4,7 +4,8 @@ Importing the package imports nothing heavy: torch, Lightning, Triton, transform
 needs them is first used (``lightning_llmopt.CausalLMModule`` imports Lightning, ``lightning_llmopt.Llama`` torch).
 Our strategies (``zero1``/``zero2``/``zero3``/``zero2_offload``/``zero3_offload``, ``nd_parallel``, ``local_sgd``,
 ``diloco``, ``ssp``) are registered in Lightning's ``StrategyRegistry`` as soon as ``lightning.pytorch`` is imported,
-before or after this package (see :mod:`lightning_llmopt._registration`), so ``Trainer(strategy="zero3")`` works.
+before or after this package, so ``Trainer(strategy="zero3")`` works; and the kernel step of ``Llama``'s
+``fused_kernels`` as soon as ``models/llama.py`` loads (see :mod:`lightning_llmopt._registration`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_llmopt._lazy import lazy_exports
-from lightning_llmopt._registration import register_when_lightning_loads
+from lightning_llmopt._registration import register_when_lightning_loads, register_when_llama_loads
 
 if TYPE_CHECKING:  # the names below, for type checkers and IDEs
     from lightning_llmopt.callbacks.monitor import TrainingMonitor
@@ -46,3 +47,4 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 register_when_lightning_loads()
+register_when_llama_loads()  # Llama's fused_kernels step (lightning_llmopt.optimize)

@@ -201,7 +201,8 @@ class Llama(nn.Module):
     Build on the meta device and materialise with ``model.to_empty(device=...)`` then ``model.init_weights()``;
     eager construction initialises the same way. ``config.fused_kernels`` swaps in the fused Triton modules at
     construction through the kernel step registered with :func:`set_kernel_step` (the package registers
-    :func:`lightning_llmopt.optimize.apply_config_kernels` on import; this module imports nothing above it). The
+    :func:`lightning_llmopt.optimize.apply_config_kernels` once this module has loaded, see
+    :mod:`lightning_llmopt._registration`; this module imports nothing above it). The
     parallel plan (:func:`lightning_llmopt.parallel.parallelize.parallelize`) runs the same step after tensor and
     context parallelism, where the fused modules learn their shard's layout.
     """
