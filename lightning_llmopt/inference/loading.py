@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_llmopt.models.config import LlamaConfig
+from lightning_llmopt.models.init import to_empty
 from lightning_llmopt.models.llama import Llama
 
 __all__ = ["load_model", "model_from_state_dict", "random_model"]
@@ -70,7 +71,7 @@ def random_model(config: LlamaConfig, device: torch.device | str, dtype: torch.d
     weights equal ``Llama(config)``'s (the same initialisation, in the same order)."""
     with torch.device("meta"):
         model = Llama(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = to_empty(model.to(dtype=dtype), device)  # not Module.to_empty: from meta it imports sympy (~1 s)
     model.init_weights(buffer_device=device)
     return model
 

@@ -22,16 +22,32 @@ from __future__ import annotations
 import hashlib
 import inspect
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["canonical_name", "copy_shard_", "draw_base_seed", "init_param_", "local_tensor", "param_seed"]
+__all__ = ["canonical_name", "copy_shard_", "draw_base_seed", "init_param_", "local_tensor", "param_seed", "to_empty"]
 
 # Segments that wrappers insert into parameter names (activation checkpointing, torch.compile, FSDP1).
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 Fill = Callable[[Tensor, torch.Generator], object]
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def to_empty(module: ModuleT, device: torch.device | str) -> ModuleT:
+    """``module.to_empty(device=device)`` without torch's Python ``empty_like`` for meta tensors, which imports sympy
+    (about a second, once per process) on its first use: each parameter and buffer is replaced by an uninitialised
+    ``torch.empty_strided`` of its size, stride and dtype on ``device`` (parameters keep ``requires_grad``). As with
+    ``to_empty``, a parameter shared by two modules becomes two tensors: ``init_weights`` ties them again."""
+    for mod in module.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            empty = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=device)
+            setattr(mod, name, nn.Parameter(empty, requires_grad=p.requires_grad))
+        for name, b in list(mod.named_buffers(recurse=False)):
+            setattr(mod, name, torch.empty_strided(b.size(), b.stride(), dtype=b.dtype, device=device))
+    return module
 
 
 def draw_base_seed() -> int:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from lightning_llmopt.models.attention import AttentionMask, attention
 from lightning_llmopt.models.config import LlamaConfig
-from lightning_llmopt.models.init import draw_base_seed, init_param_, local_tensor
+from lightning_llmopt.models.init import draw_base_seed, init_param_, local_tensor, to_empty
 from lightning_llmopt.models.kv_cache import KVCache
 from lightning_llmopt.models.layer_pattern import SharedKV, attended_keys, layer_windows
 from lightning_llmopt.models.rope import apply_rope, rope_table
@@ -222,7 +222,7 @@ class Llama(nn.Module):
         with torch.device("meta"):  # no throw-away default initialisation: init_weights sets every value below
             self._build(config)
         if device.type != "meta":
-            self.to_empty(device=device)
+            to_empty(self, device)  # not nn.Module.to_empty: from meta it imports sympy (see models/init.py)
             self.init_weights()
 
     def _build(self, config: LlamaConfig) -> None:
