@@ -262,7 +262,8 @@ def attach(
     from lightning_llmopt.kernels import precompile  # imports no Triton
 
     quant_matmul_tune: Any = None
-    if importlib.util.find_spec("triton") is not None:  # the quantized matmul's search exists with Triton only
+    # the quantized matmul's search runs on CUDA with Triton only; elsewhere importing it would only import Triton
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         from lightning_llmopt.kernels import quant_matmul_tune
 
     cache = None
