@@ -143,9 +143,11 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
 
 
 def _encode(engine: Any, prompts: list[Any]) -> list[Any]:
-    """Text prompts as ids with the tokenizer's special tokens (BOS where transformers adds one)."""
-    tok = engine.tokenizer
-    return [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
+    """Text prompts as ids with the tokenizer's special tokens (BOS where transformers adds one): the engine's own
+    encoding (:func:`~lightning_llmopt.inference.inputs.encode_prompt`), the one ``/v1/completions`` uses too."""
+    from lightning_llmopt.inference.inputs import encode_prompt
+
+    return [encode_prompt(p, engine.tokenizer, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
 
 
 def _show(i: int, prompt: Any, completion: Any) -> None:
