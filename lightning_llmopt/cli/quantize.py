@@ -20,6 +20,8 @@ tools (see docs/quantization.md). Progress over the layers goes to stderr.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,15 @@ from lightning_llmopt.models.llama import Llama
 from lightning_llmopt.quantization import QuantConfig, quantize_model, save_compressed_tensors, save_gptq
 from lightning_llmopt.quantization.apply import quantizable_linears
 
-__all__ = ["build_parser", "calibration_batches", "load_float_model", "load_source", "main", "save_quantized"]
+__all__ = [
+    "build_parser",
+    "calibration_batches",
+    "check_group_sizes",
+    "load_float_model",
+    "load_source",
+    "main",
+    "save_quantized",
+]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("compressed-tensors", "gptq")
@@ -161,6 +171,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_group_sizes(model: torch.nn.Module, config: QuantConfig) -> None:
+    """Raise one ``ValueError`` naming every layer whose input width its group size does not divide, with the way
+    out: ``--group-size 0`` (per output channel) or a power-of-two group size that divides every width (if one of at
+    least 32 does). Runs before any calibration, so that bad input fails in seconds."""
+    layers = quantizable_linears(model, config)
+    bad: dict[str, tuple[int, int]] = {}
+    for name, layer in layers.items():
+        spec = config.spec_for(name, layer.in_features)
+        if spec is not None and spec.granularity == "group" and layer.in_features % spec.group_size:
+            bad[name] = (layer.in_features, spec.group_size)
+    if not bad:
+        return
+    groups = sorted({g for _, g in bad.values()})
+    widths = math.gcd(*(layer.in_features for layer in layers.values()))
+    fits = widths & -widths  # the largest power of two dividing every width
+    while fits > max(groups[-1], 32):
+        fits //= 2
+    other = f" or --group-size {fits} (divides every layer's width)" if fits >= 32 else ""
+    raise ValueError(
+        f"--group-size {'/'.join(map(str, groups))} does not divide the input width of {len(bad)} of "
+        f"{len(layers)} layers: {_layer_list(bad)}; pass --group-size 0 (one scale per output channel){other}"
+    )
+
+
+def _layer_list(bad: dict[str, tuple[int, int]]) -> str:
+    """``layers.*.feed_forward.w2 (172 inputs, 2 layers), output2 (200 inputs)``: names with their block index
+    replaced by ``*`` where several blocks share the problem."""
+    shared: dict[tuple[str, int], list[str]] = {}
+    for name, (width, _) in bad.items():
+        shared.setdefault((re.sub(r"(?<![^.])\d+(?=\.)", "*", name), width), []).append(name)
+    return ", ".join(
+        f"{pattern} ({width} inputs, {len(names)} layers)" if len(names) > 1 else f"{names[0]} ({width} inputs)"
+        for (pattern, width), names in shared.items()
+    )
+
+
 def _calibration_spec(tokenizer: Any) -> str | None:
     """The :class:`TextDataModule` spec of a loaded tokenizer (``None``: bytes)."""
     path = getattr(tokenizer, "path", None)
@@ -183,8 +229,6 @@ def main(argv: Sequence[str] | None = None) -> Path:
     model, tokenizer, arch = load_source(args.src, dtype, "cpu" if args.offload else device)
     model.eval()
     arch = args.arch or arch
-    if args.tokenizer is not None:
-        tokenizer = load_tokenizer(args.tokenizer)
     config = QuantConfig(
         bits=args.bits,
         group_size=args.group_size or None,
@@ -195,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
         damp=args.damp,
         scale_dtype=torch.float16 if args.format == "gptq" else None,
     )
+    check_group_sizes(model, config)  # every layer, before calibration text is read
+    if args.tokenizer is not None:
+        tokenizer = load_tokenizer(args.tokenizer)
     calibration: Any = None
     if args.method == "gptq":
         source = args.data or "the Python standard library (fallback: pass --data with text like the model's use)"
