@@ -318,10 +318,12 @@ def _config_from_args(args: argparse.Namespace) -> LlamaConfig | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llmopt consolidate",
-        description="Write a sharded DCP checkpoint's model as one Hugging Face safetensors checkpoint, "
-        "one output shard in memory at a time.",
+    from lightning_llmopt.cli import options
+
+    parser = options.parser(
+        "llmopt consolidate",
+        "Write a sharded DCP checkpoint's model as one Hugging Face safetensors checkpoint, "
+        "one output shard in memory at a time, with the tokenizer's files beside the weights.",
     )
     parser.add_argument("checkpoint", help="a step-N checkpoint folder, or a root (the newest complete one is used)")
     parser.add_argument("out_dir", help="output folder")
@@ -335,12 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as saved)")
     parser.add_argument("--max-shard-size", default="2GB", help="bytes per safetensors file, e.g. 2GB, 500MiB")
     parser.add_argument("--preset", default=None, help="LlamaConfig preset when the checkpoint stores no config")
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        help="'byte' or a tokenizer folder/tokenizer.json to write beside the weights (default: the "
-        "one the checkpoint remembers)",
-    )
+    options.add_tokenizer(parser)  # written beside the weights
     parser.add_argument(
         "--config-json", default=None, help="JSON of LlamaConfig fields (or a Hugging Face config.json) for the model"
     )
