@@ -4,6 +4,7 @@
 names) and prints one constraint per distribution: ``name>=X.Y,<3`` becomes ``name==X.Y.*`` (the newest patch release
 of the lower bound's series), ``name==V`` stays as written. The toolchain job (``.ci/toolchain_job.sh``) installs with
 these constraints, so each lower bound in ``pyproject.toml`` is a version CI runs; the main job installs the newest.
+``--requirements`` prints the requirements themselves (``pip install -r``: the dependencies before the package).
 """
 
 from __future__ import annotations
@@ -53,5 +54,9 @@ def constraint(req: str) -> str:
 
 
 if __name__ == "__main__":
-    lines = {constraint(r).split("==")[0].lower(): constraint(r) for r in requirements(*sys.argv[1:2])}
-    print("\n".join(lines[k] for k in sorted(lines)))
+    args = sys.argv[1:]
+    if args[:1] == ["--requirements"]:  # the requirements themselves (pip -r), for installing before the package
+        print("\n".join(requirements(*args[1:2])))
+    else:
+        lines = {constraint(r).split("==")[0].lower(): constraint(r) for r in requirements(*args[:1])}
+        print("\n".join(lines[k] for k in sorted(lines)))

@@ -33,14 +33,17 @@ sed -i -e 's/^torch==.*/torch==2.11.0/' -e 's/^triton==.*/triton==3.6.0/' -e 's/
   -e 's/^lightning==.*/lightning==2.6.6/' "$work/constraints.txt"
 echo "pytorch-lightning==2.6.6" >>"$work/constraints.txt"
 python3 -m venv "$work/venv"
-# the 4.6 GB part, what `prepare` runs early; --no-compile: Python compiles the modules the tests import, not all
+# the 4.6 GB part and every other dependency of ".[dev]", what `prepare` runs early (in .ci/run, while the main job
+# installs); --no-compile: Python compiles the modules the tests import, not all
 "$work/venv/bin/pip" install -q --no-compile -c "$work/constraints.txt" torch
-echo "== toolchain job: torch installed in $(($(date +%s) - start)) s"
+python3 .ci/lower_bounds.py --requirements >"$work/requirements.txt"
+"$work/venv/bin/pip" install -q --no-compile -c "$work/constraints.txt" -r "$work/requirements.txt"
+echo "== toolchain job: torch and the dependencies installed in $(($(date +%s) - start)) s"
 fi
 [ "$phase" = prepare ] && exit 0
 if [ "$phase" = test ]; then start=$(date +%s); fi
 # the package itself only now: an editable install writes into the tree, which the main job installs from too
-"$work/venv/bin/pip" install -q --no-compile -c "$work/constraints.txt" -e ".[dev]"
+"$work/venv/bin/pip" install -q --no-compile --no-deps -e .  # its dependencies came with `prepare`
 "$work/venv/bin/python" - <<'PY'
 import importlib.metadata as md
 

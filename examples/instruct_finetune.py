@@ -76,9 +76,14 @@ def main() -> None:
     print(f"completion loss after:  {completion_loss(module, probe):.3f}")
 
     engine = LLMEngine(module.model.eval(), tokenizer=tokenizer, max_model_len=args.seq_len)
+    chat = getattr(tokenizer, "chat_template", None) is not None  # the rows were rendered with it: so is the prompt
     for example in held_out[:4]:
         prompt = example["prompt"]
-        answer = engine.generate([prompt], SamplingParams(max_tokens=4))[0].text
+        if chat:  # the template writes the special tokens itself: none added on top
+            text = str(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
+            answer = engine.generate([text], SamplingParams(max_tokens=4), add_special_tokens=False)[0].text
+        else:  # encoded as the training rows' prompts were: with the tokenizer's special tokens (its BOS)
+            answer = engine.generate([prompt], SamplingParams(max_tokens=4))[0].text
         print(f"{prompt!r} -> {answer!r} (expected {example['completion']!r})")
 
 

@@ -34,7 +34,7 @@ def main() -> None:
           f"unigram baseline {data.unigram_entropy():.4f}")
 
     tok = data.tokenizer
-    prompt = torch.tensor([tok.encode("def main(")], device=module.device)
+    prompt = torch.tensor([tok.encode("def main(", add_special_tokens=True)], device=module.device)  # as transformers
     out = greedy_generate(module.model.eval(), prompt, max_new_tokens=60)
     print(repr(tok.decode(out[0].tolist())))
 

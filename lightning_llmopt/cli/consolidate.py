@@ -1,39 +1,62 @@
-"""``llmopt consolidate``: a sharded DCP training checkpoint to one Hugging Face safetensors checkpoint.
+"""``llmopt consolidate``: any training checkpoint of the package to one Hugging Face safetensors folder.
 
-    llmopt consolidate runs/ckpts/step-00001000 out/hf [--arch llama|mistral|qwen2] [--dtype bf16|fp16|fp32]
-        [--max-shard-size 2GB] [--preset tiny | --config-json config.json]
+    llmopt consolidate runs/tiny_cpu/checkpoints out/hf [--arch llama|mistral|qwen2] [--dtype bf16|fp16|fp32]
+        [--max-shard-size 2GB] [--preset tiny | --config-json config.json] [--tokenizer PATH] [--trust-pickle]
 
-The checkpoint is one written by :func:`lightning_llmopt.parallel.checkpoint.save_checkpoint` (a ``step-N`` folder,
-or a root holding several, in which case the newest complete one is used) whose state holds
-``{"model": {fqn: tensor or DTensor}, ...}``; FQNs may carry the LightningModule's ``model.`` prefix (and
-``torch.compile``'s ``_orig_mod.``) or not. Other entries (optimizer, RNG, data position) are ignored.
+The checkpoint (found by :func:`lightning_llmopt.checkpoint_io.find_checkpoint`, which the command names before it
+reads) is a Lightning ``.ckpt`` file (single device, DDP), a sharded DCP ``step-N`` folder
+(:class:`~lightning_llmopt.strategies.ZeroStrategy`, :class:`~lightning_llmopt.strategies.NDParallelStrategy`:
+ZeRO-1/2/3, TP, PP, ...), a folder of those (``last.ckpt/step-00000020``), or a run folder holding any of them
+(``last`` wins, else the newest). Model tensor names may carry the LightningModule's ``model.`` prefix (and
+``torch.compile``'s ``_orig_mod.``) or not; other entries (optimizer, RNG, data position) are ignored.
 
 The full model is never in memory at once:
 
-1. the checkpoint is verified (marker and file sizes) and its DCP metadata read: names, shapes, dtypes only;
+1. the checkpoint is verified (a DCP folder: marker and file sizes) and its tensor names, shapes and dtypes read;
 2. the weights are cut into output shards of at most ``--max-shard-size`` bytes, in Hugging Face order;
-3. per output shard, a state dict of empty CPU tensors for just those keys is filled by ``dcp.load`` (no process
-   group; DCP reads the overlapping pieces of every rank's files), renamed, cast and written with safetensors, and
-   dropped before the next shard is read.
+3. per output shard just those tensors are read (a DCP folder: one ``dcp.load`` without a process group, which
+   reads the overlapping pieces of every rank's files; a ``.ckpt``: memory-mapped), renamed, cast and written with
+   safetensors, and dropped before the next shard is read.
 
 The model's :class:`~lightning_llmopt.models.config.LlamaConfig` comes from ``--preset``/``--config-json`` when
-given, else from the checkpoint: a ``"config"`` entry of the saved state or the marker's ``extra["config"]``.
+given, else from the checkpoint: a DCP folder's ``"config"`` state entry or marker ``extra["config"]``, a
+``.ckpt``'s ``hyper_parameters["model"]``.
+
+Bad input (no checkpoint there, an incomplete one, a config that does not match) ends with one line naming what
+was found and what was expected; ``LLMOPT_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import warnings
+import math
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+import torch.distributed.checkpoint as dcp  # noqa: F401  (kept: callers patch ``consolidate.dcp.load``)
 
+from lightning_llmopt.checkpoint_io import (  # noqa: F401  (re-exported: the import paths of earlier versions)
+    CheckpointNotFoundError,
+    DCPReader,
+    FoundCheckpoint,
+    LightningReader,
+    TensorInfo,
+    _get,
+    _load,
+    _model_keys,
+    _nested,
+    checkpoint_tokenizer,
+    config_from_checkpoint,
+    find_checkpoint,
+    lightning_entry,
+    open_checkpoint,
+    resolve_checkpoint,
+)
 from lightning_llmopt.cli.progress import Progress
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
@@ -45,122 +68,12 @@ from lightning_llmopt.models.hf_files import (
     write_tokenizer_files,
 )
 from lightning_llmopt.models.hf_weights import expected_shapes, key_map
-from lightning_llmopt.parallel.checkpoint import (
-    MARKER,
-    IncompleteCheckpointError,
-    latest_checkpoint,
-    verify_checkpoint,
-)
+from lightning_llmopt.parallel.checkpoint import IncompleteCheckpointError
 
 __all__ = ["checkpoint_tokenizer", "consolidate", "lightning_entry", "main", "resolve_checkpoint"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-Path_ = tuple[str, ...]
-
-
-def resolve_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint folder to read and its marker: ``path`` itself if it is a checkpoint (verified, so an
-    incomplete one raises :class:`IncompleteCheckpointError`), else the newest complete checkpoint under it."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if path.name.startswith("step-") or (path / MARKER).exists() or (path / ".metadata").exists():
-        return path, verify_checkpoint(path)
-    newest = latest_checkpoint(path)
-    if newest is None:
-        raise IncompleteCheckpointError(f"no complete checkpoint under {path}")
-    return newest, verify_checkpoint(newest)
-
-
-def _model_keys(metadata: Metadata, names: set[str]) -> dict[str, Path_]:
-    """``{our parameter name: DCP state-dict path}`` of the saved model tensors among ``names``."""
-    paths: dict[str, Any] = metadata.planner_data or {}
-    found: dict[str, Path_] = {}
-    for flat, meta in metadata.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
-        path = tuple(str(p) for p in paths.get(flat, (flat,)))
-        name = ".".join(path).replace("_orig_mod.", "")
-        while name not in names and name.startswith("model."):
-            name = name.removeprefix("model.")
-        if name in names:
-            if name in found:
-                raise ValueError(f"checkpoint holds {name!r} twice: {'.'.join(found[name])} and {'.'.join(path)}")
-            found[name] = path
-    return found
-
-
-def _load(state: dict[str, Any], folder: Path) -> None:
-    """``dcp.load`` in this process only (no process group), without DCP's warning saying so."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(str(folder)), no_dist=True)
-
-
-def _nested(entries: dict[Path_, Any]) -> dict[str, Any]:
-    """A nested state dict with ``value`` at each path (the layout DCP flattened at save time)."""
-    root: dict[str, Any] = {}
-    for path, value in entries.items():
-        node = root
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return root
-
-
-def _get(tree: dict[str, Any], path: Path_) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def config_from_checkpoint(folder: Path, metadata: Metadata, marker: dict[str, Any]) -> LlamaConfig | None:
-    """The :class:`LlamaConfig` saved with the checkpoint (state entry ``"config"`` or ``marker["config"]``)."""
-    paths: dict[str, Any] = metadata.planner_data or {}
-    entries = {
-        tuple(str(p) for p in paths.get(k, (k,))): None
-        for k, m in metadata.state_dict_metadata.items()
-        if isinstance(m, BytesStorageMetadata)
-    }
-    entries = {p: v for p, v in entries.items() if p[0] == "config"}
-    if entries:
-        state = _nested(entries)
-        _load(state, folder)
-        value = state["config"]
-        return value if isinstance(value, LlamaConfig) else LlamaConfig.from_dict(dict(value))
-    if isinstance(marker.get("config"), dict):
-        return LlamaConfig.from_dict(dict(marker["config"]))
-    return None
-
-
-def lightning_entry(folder: Path, metadata: Metadata, key: str) -> Any:
-    """An entry of the Lightning checkpoint dict that :class:`~lightning_llmopt.strategies.ZeroStrategy` saves beside
-    the shards (``state["lightning"][key]``, e.g. ``"llmopt_tokenizer"``), or ``None`` when absent."""
-    import io
-
-    paths: dict[str, Any] = metadata.planner_data or {}
-    for k, m in metadata.state_dict_metadata.items():
-        path = tuple(str(p) for p in paths.get(k, (k,)))
-        if path == ("lightning", key) and isinstance(m, BytesStorageMetadata):
-            state = _nested({path: None})
-            _load(state, folder)
-            value = state["lightning"][key]
-            if isinstance(value, (bytes, bytearray)):  # torch.save'd by the strategy
-                value = torch.load(io.BytesIO(value), weights_only=False)
-            return value
-    return None
-
-
-def checkpoint_tokenizer(folder: Path, metadata: Metadata) -> Any:
-    """The tokenizer a sharded checkpoint remembers (see :func:`lightning_llmopt.inference.loading.load_model`)."""
-    from lightning_llmopt.inference.loading import _checkpoint_tokenizer
-
-    entries = {}
-    for key in ("llmopt_tokenizer", "datamodule_hyper_parameters"):
-        value = lightning_entry(folder, metadata, key)
-        if value is not None:
-            entries[key] = value
-    return _checkpoint_tokenizer(entries, folder / "x") if entries else None
+Reader = DCPReader | LightningReader
 
 
 def _plan(names: list[str], nbytes: dict[str, int], max_bytes: int) -> list[list[str]]:
@@ -176,28 +89,21 @@ def _plan(names: list[str], nbytes: dict[str, int], max_bytes: int) -> list[list
     return shards
 
 
-def _check_shapes(
-    found: dict[str, Path_], metadata: Metadata, config: LlamaConfig, flat_of: dict[Path_, str], required: list[str]
-) -> None:
-    missing = [n for n in required if n not in found]
+def _check_shapes(reader: Reader, infos: dict[str, TensorInfo], config: LlamaConfig, required: list[str]) -> None:
+    missing = [n for n in required if n not in infos]
     if missing:
         raise KeyError(
-            f"checkpoint lacks {len(missing)} model tensor(s) of the config, e.g. {missing[:5]}; "
-            f"saved tensors include {sorted(metadata.state_dict_metadata)[:5]}"
+            f"checkpoint {reader.path} lacks {len(missing)} model tensor(s) of the config, e.g. {missing[:5]}; "
+            f"saved tensors include {reader.saved_names()[:5]}"
         )
     shapes = expected_shapes(config)
-    bad = []
-    for name in required:
-        meta = metadata.state_dict_metadata[flat_of[found[name]]]
-        assert isinstance(meta, TensorStorageMetadata)
-        if tuple(meta.size) != shapes[name]:
-            bad.append(f"{name}: {tuple(meta.size)} (expected {shapes[name]})")
+    bad = [f"{n}: {infos[n].shape} (expected {shapes[n]})" for n in required if infos[n].shape != shapes[n]]
     if bad:
         raise ValueError(f"{len(bad)} checkpoint tensor(s) do not match the config: " + "; ".join(bad[:5]))
 
 
 def consolidate(
-    checkpoint: str | Path,
+    checkpoint: str | Path | FoundCheckpoint,
     out_dir: str | Path,
     *,
     arch: str | None = None,
@@ -205,11 +111,13 @@ def consolidate(
     max_shard_size: int | str = "2GB",
     config: LlamaConfig | None = None,
     tokenizer: Any = None,
+    trust_pickle: bool = False,
 ) -> list[Path]:
-    """Write the model of a sharded DCP checkpoint as a Hugging Face safetensors folder, one shard at a time.
+    """Write the model of a training checkpoint as a Hugging Face safetensors folder, one shard at a time.
 
     Arguments:
-        checkpoint: a ``step-N`` folder or a root folder of checkpoints (the newest complete one is used).
+        checkpoint: a Lightning ``.ckpt``, a ``step-N`` folder, a folder of them, or a run folder holding any of
+            them (see :func:`~lightning_llmopt.checkpoint_io.find_checkpoint`), or what ``find_checkpoint`` found.
         out_dir: output folder; stale ``model*.safetensors`` files and index there are removed.
         arch: ``"llama"``, ``"mistral"`` or ``"qwen2"``; ``None`` picks ``qwen2`` with q/k/v biases, ``mistral``
             with a sliding window, else ``llama``.
@@ -219,19 +127,20 @@ def consolidate(
         config: the model config; default: the one saved with the checkpoint.
         tokenizer: written beside the weights with a ``generation_config.json``; default: the tokenizer the
             checkpoint remembers (``CausalLMModule`` records its data module's), if any.
+        trust_pickle: unpickle a ``.ckpt`` fully (it is loaded weights-only otherwise).
 
-    Returns: the weight files written. Raises ``IncompleteCheckpointError`` for an incomplete checkpoint.
+    Returns: the weight files written. Raises ``CheckpointNotFoundError`` when there is no checkpoint and
+    ``IncompleteCheckpointError`` for an incomplete one, before anything is written.
     """
-    folder, marker = resolve_checkpoint(checkpoint)
     if dtype is not None and dtype not in DTYPES.values():
         raise ValueError(f"dtype ({dtype}) must be one of {list(DTYPES.values())}")
     max_bytes = parse_size(max_shard_size)
-    metadata = FileSystemReader(str(folder)).read_metadata()
+    reader = open_checkpoint(checkpoint, trust_pickle=trust_pickle)
     if config is None:
-        config = config_from_checkpoint(folder, metadata, marker)
+        config = reader.saved_config()
     if config is None:
         raise ValueError(
-            f"checkpoint {folder} stores no model config (no 'config' state entry or marker field); "
+            f"checkpoint {reader.path} stores no model config ({reader.config_source}); "
             "pass --preset NAME or --config-json PATH"
         )
     if arch is None:
@@ -239,36 +148,26 @@ def consolidate(
     config_to_hf(config, arch)  # checks arch against the config before anything is read
     hf_names = key_map(config)
     required = [n for n in hf_names if not (config.tie_embeddings and n == "output.weight")]
-    found = _model_keys(metadata, set(hf_names))
-    flat_of = {
-        tuple(str(p) for p in (metadata.planner_data or {}).get(k, (k,))): k for k in metadata.state_dict_metadata
-    }
-    _check_shapes(found, metadata, config, flat_of, required)
-    metas: dict[str, TensorStorageMetadata] = {}
-    for n in required:
-        meta = metadata.state_dict_metadata[flat_of[found[n]]]
-        assert isinstance(meta, TensorStorageMetadata)
-        metas[n] = meta
+    infos = reader.model_tensors(hf_names)
+    _check_shapes(reader, infos, config, required)
     # Planned in the larger of the saved and written dtypes: neither the load nor the file exceeds max_bytes.
     nbytes = {
-        n: m.size.numel() * max(m.properties.dtype.itemsize, (dtype or m.properties.dtype).itemsize)
-        for n, m in metas.items()
+        n: math.prod(infos[n].shape) * max(infos[n].dtype.itemsize, (dtype or infos[n].dtype).itemsize)
+        for n in required
     }
     shards = _plan(required, nbytes, max_bytes)
-    hf_config = config_to_hf(config, arch, dtype=dtype or metas[required[0]].properties.dtype)
-    written = _write(folder, Path(out_dir), shards, metas, found, hf_names, dtype, hf_config)
+    hf_config = config_to_hf(config, arch, dtype=dtype or infos[required[0]].dtype)
+    written = _write(reader, Path(out_dir), shards, hf_names, dtype, hf_config)
     if tokenizer is None:
-        tokenizer = checkpoint_tokenizer(folder, metadata)
+        tokenizer = reader.tokenizer()
     write_tokenizer_files(Path(out_dir), tokenizer)
     return written
 
 
 def _write(
-    folder: Path,
+    reader: Reader,
     out: Path,
     shards: list[list[str]],
-    metas: dict[str, TensorStorageMetadata],
-    found: dict[str, Path_],
     hf_names: dict[str, str],
     dtype: torch.dtype | None,
     hf_config: dict[str, Any],
@@ -284,13 +183,12 @@ def _write(
     bar = Progress("consolidate", sum(len(names) for names in shards), "tensors")
     for k, names in enumerate(shards, start=1):
         file = SAFETENSORS_NAME if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        state = _nested({found[n]: torch.empty(tuple(metas[n].size), dtype=metas[n].properties.dtype) for n in names})
-        _load(state, folder)
+        state = reader.read(names)
         tensors = {}
         for n in names:
-            t = _get(state, found[n])
-            tensors[hf_names[n]] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-            total += tensors[hf_names[n]].numel() * tensors[hf_names[n]].element_size()
+            t = state[n].to(dtype) if dtype is not None and state[n].is_floating_point() else state[n]
+            tensors[hf_names[n]] = t.contiguous()
+            total += t.numel() * t.element_size()
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         del state, tensors  # this shard's tensors are gone before the next is read
         weight_map.update({hf_names[n]: file for n in names})
@@ -318,12 +216,18 @@ def _config_from_args(args: argparse.Namespace) -> LlamaConfig | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llmopt consolidate",
-        description="Write a sharded DCP checkpoint's model as one Hugging Face safetensors checkpoint, "
-        "one output shard in memory at a time.",
+    from lightning_llmopt.cli import options
+
+    parser = options.parser(
+        "llmopt consolidate",
+        "Write a training checkpoint's model as one Hugging Face safetensors folder, one output shard in memory at a "
+        "time, with the tokenizer's files beside the weights.",
     )
-    parser.add_argument("checkpoint", help="a step-N checkpoint folder, or a root (the newest complete one is used)")
+    parser.add_argument(
+        "checkpoint",
+        help="a Lightning .ckpt file, a step-N folder, a folder of them (last.ckpt), or a run folder holding any of "
+        "them (runs/NAME/checkpoints or runs/NAME: 'last' wins, else the newest)",
+    )
     parser.add_argument("out_dir", help="output folder")
     parser.add_argument(
         "--arch",
@@ -335,32 +239,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights (default: as saved)")
     parser.add_argument("--max-shard-size", default="2GB", help="bytes per safetensors file, e.g. 2GB, 500MiB")
     parser.add_argument("--preset", default=None, help="LlamaConfig preset when the checkpoint stores no config")
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        help="'byte' or a tokenizer folder/tokenizer.json to write beside the weights (default: the "
-        "one the checkpoint remembers)",
-    )
+    options.add_tokenizer(parser)  # written beside the weights
     parser.add_argument(
         "--config-json", default=None, help="JSON of LlamaConfig fields (or a Hugging Face config.json) for the model"
     )
+    parser.add_argument("--trust-pickle", action="store_true", help="unpickle a .ckpt fully (only for files you trust)")
     return parser
 
 
+# Bad input rather than a bug: one line on stderr, exit status 2 (as the other ``llmopt`` commands).
+_INPUT_ERRORS = (IncompleteCheckpointError, ValueError, OSError, KeyError, NotImplementedError, ImportError)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return " ".join(text.split()) or type(exc).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> list[Path]:
-    """Entry point of ``llmopt consolidate``; returns the weight files written."""
+    """Entry point of ``llmopt consolidate``; returns the weight files written.
+
+    Prints the checkpoint it reads (and, when it picked one of several, which rule chose it) before reading it.
+    Bad input ends in ``SystemExit(2)`` after one line on stderr, ``llmopt consolidate: error: ...``, unless
+    ``LLMOPT_DEBUG`` is set (then the exception propagates with its traceback).
+    """
     from lightning_llmopt.data.tokenizers import load_tokenizer
 
     args = build_parser().parse_args(argv)
-    written = consolidate(
-        args.checkpoint,
-        args.out_dir,
-        arch=args.arch,
-        dtype=DTYPES[args.dtype] if args.dtype else None,
-        max_shard_size=args.max_shard_size,
-        config=_config_from_args(args),
-        tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer is not None else None,
-    )
+    try:
+        config = _config_from_args(args)
+        found = find_checkpoint(args.checkpoint)
+        print(f"reading {found.describe()}", flush=True)
+        written = consolidate(
+            found,
+            args.out_dir,
+            arch=args.arch,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+            max_shard_size=args.max_shard_size,
+            config=config,
+            tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer is not None else None,
+            trust_pickle=args.trust_pickle,
+        )
+    except _INPUT_ERRORS as exc:
+        if os.environ.get("LLMOPT_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"llmopt consolidate: error: {_one_line(exc)}  (LLMOPT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
     extras = sorted(p.name for p in Path(args.out_dir).iterdir() if p.suffix == ".json" and p.name != CONFIG_NAME)
     print(
         f"wrote {len(written)} safetensors file(s), {CONFIG_NAME} and {extras or 'no tokenizer files'} to "

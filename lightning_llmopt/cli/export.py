@@ -26,13 +26,15 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="llmopt export",
-        description="Convert a quantized checkpoint (GPTQ or compressed-tensors) to GPTQ or compressed-tensors.",
+    from lightning_llmopt.cli import options
+
+    p = options.parser(
+        "llmopt export",
+        "Convert a quantized checkpoint (GPTQ or compressed-tensors) to GPTQ or compressed-tensors.",
     )
     p.add_argument("src", help="quantized checkpoint folder")
     p.add_argument("out", help="output folder")
-    p.add_argument("--format", choices=("compressed-tensors", "gptq"), required=True)
+    p.add_argument("--format", choices=("compressed-tensors", "gptq"), required=True, help="checkpoint format written")
     p.add_argument(
         "--checkpoint-format",
         choices=("gptq", "gptq_v2"),

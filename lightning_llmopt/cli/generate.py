@@ -34,44 +34,50 @@ from typing import Any
 
 import torch
 
+from lightning_llmopt.cli import options
+
 __all__ = ["build_parser", "main"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llmopt generate", description="Complete prompts with the inference engine.")
+    p = options.parser("llmopt generate", "Complete prompts with the inference engine.")
     p.add_argument(
         "model", nargs="?", default=None, help="checkpoint folder (ours), Lightning .ckpt, or Hugging Face folder"
     )
-    p.add_argument("--preset", default=None, help="serve a randomly initialised model of this preset instead")
+    p.add_argument("--preset", default=None, help="use a randomly initialised model of this preset instead")
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     p.add_argument("--prompt-file", default=None, help="a file with one text prompt per line")
     p.add_argument("--tokens", action="append", default=[], help="a prompt as comma-separated token ids (repeatable)")
-    p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json path (default: the model folder's)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop-token-id", type=int, action="append", default=[], help="repeatable")
-    p.add_argument("--ignore-eos", action="store_true")
+    options.add_tokenizer(p)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per completion, at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set holding this mass")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed of each request's own generator (default: the engine's, seeded 0)"
+    )
+    p.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop at this token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's end-of-sequence ids")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--truncate", action="store_true", help="keep the end of prompts longer than the context")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as stored (bf16 for --preset)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from free GPU memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="weights' dtype (default: as stored; bf16 for --preset)"
+    )
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: from free GPU memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together, at most")
     p.add_argument(
         "--kv-int8-calibration",
         default=None,
         help="store the KV cache in int8, with scales calibrated on this file's lines",
     )
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV cache of shared prefixes")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--trust-pickle", action="store_true", help="allow full unpickling of a Lightning .ckpt")
     p.add_argument("--quiet", action="store_true", help="no start-up progress lines on stderr")
     return p
@@ -143,9 +149,11 @@ def _prompts(args: argparse.Namespace) -> list[Any]:
 
 
 def _encode(engine: Any, prompts: list[Any]) -> list[Any]:
-    """Text prompts as ids with the tokenizer's special tokens (BOS where transformers adds one)."""
-    tok = engine.tokenizer
-    return [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
+    """Text prompts as ids with the tokenizer's special tokens (BOS where transformers adds one): the engine's own
+    encoding (:func:`~lightning_llmopt.inference.inputs.encode_prompt`), the one ``/v1/completions`` uses too."""
+    from lightning_llmopt.inference.inputs import encode_prompt
+
+    return [encode_prompt(p, engine.tokenizer, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
 
 
 def _show(i: int, prompt: Any, completion: Any) -> None:

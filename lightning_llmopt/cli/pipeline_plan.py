@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from lightning_llmopt.parallel.pipeline import SCHEDULES
 from lightning_llmopt.parallel.pipeline_plan import Plan, plan
 
-__all__ = ["main", "render_text"]
+__all__ = ["build_parser", "main", "render_text"]
 
 
 def render_text(p: Plan) -> str:
@@ -65,14 +65,32 @@ def _two_bw_line(pp: int, m: int) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="llmopt pipeline-plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+def build_parser() -> argparse.ArgumentParser:
+    from lightning_llmopt.cli import options
+
+    parser = options.parser(
+        "llmopt pipeline-plan",
+        "Each rank's timeline of a pipeline schedule (F forward, B backward, W weight gradient) and its bubble "
+        "fraction, in units of one forward pass (communication free).",
+    )
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="the schedule to plan")
     parser.add_argument("--all", action="store_true", help="a bubble table of every schedule instead of a timeline")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks P")
     parser.add_argument("--microbatches", "-m", type=int, default=8, help="micro-batches M")
-    parser.add_argument("--virtual-stages", "-v", type=int, default=None, help="stages per rank V")
+    parser.add_argument(
+        "--virtual-stages",
+        "-v",
+        type=int,
+        default=None,
+        help="stages per rank V (default: 2 for the interleaved and V schedules, else 1)",
+    )
     parser.add_argument("--png", default=None, help="write the theoretical timeline as a PNG (the plot extra)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``llmopt pipeline-plan``: prints the plan (or, with ``--all``, the table)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.png and (args.all or args.schedule == "pipedream_2bw"):
         what = "--all" if args.all else "pipedream_2bw (it never flushes: there is no per-batch timeline)"

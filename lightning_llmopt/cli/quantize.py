@@ -20,19 +20,30 @@ tools (see docs/quantization.md). Progress over the layers goes to stderr.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_llmopt.cli import options
 from lightning_llmopt.cli.progress import Progress
 from lightning_llmopt.models.hf_files import write_tokenizer_files
 from lightning_llmopt.models.llama import Llama
 from lightning_llmopt.quantization import QuantConfig, quantize_model, save_compressed_tensors, save_gptq
 from lightning_llmopt.quantization.apply import quantizable_linears
 
-__all__ = ["build_parser", "calibration_batches", "load_float_model", "load_source", "main", "save_quantized"]
+__all__ = [
+    "build_parser",
+    "calibration_batches",
+    "check_group_sizes",
+    "load_float_model",
+    "load_source",
+    "main",
+    "save_quantized",
+]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("compressed-tensors", "gptq")
@@ -104,20 +115,30 @@ def save_quantized(model: torch.nn.Module, out: str | Path, fmt: str, arch: str 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="llmopt quantize",
-        description="Quantize a model's linear layers (weight-only) and write a GPTQ or compressed-tensors checkpoint.",
+    p = options.parser(
+        "llmopt quantize",
+        "Quantize a model's linear layers (weight-only, round to nearest or GPTQ) and write a GPTQ or "
+        "compressed-tensors checkpoint folder that transformers and llmopt generate load.",
     )
-    p.add_argument("src", help="Hugging Face folder or CausalLMModule .ckpt")
+    p.add_argument("src", help="Hugging Face folder (Llama, Mistral, Qwen2), CausalLMModule .ckpt or checkpoint folder")
     p.add_argument("out", help="output folder")
-    p.add_argument("--method", choices=("rtn", "gptq"), default="gptq")
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=128, help="input columns per scale; 0: per output channel")
+    p.add_argument(
+        "--method", choices=("rtn", "gptq"), default="gptq", help="rtn: round to nearest; gptq: calibrated on --data"
+    )
+    p.add_argument("--bits", type=int, default=4, help="bits per weight code, 2 to 8 (Triton kernels for 4 and 8)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=128,
+        help="input columns per scale; 0: one scale per output channel (for layer widths it does not divide)",
+    )
     p.add_argument("--asym", action="store_true", help="asymmetric grid (zero point per group)")
-    p.add_argument("--observer", choices=("minmax", "mse", "percentile"), default="minmax")
+    p.add_argument(
+        "--observer", choices=("minmax", "mse", "percentile"), default="minmax", help="how each group's range is chosen"
+    )
     p.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing Hessian diagonal")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening (fraction of the mean diagonal)")
-    p.add_argument("--format", choices=FORMATS, default="compressed-tensors")
+    p.add_argument("--format", choices=FORMATS, default="compressed-tensors", help="checkpoint format written")
     p.add_argument(
         "--arch",
         choices=("llama", "mistral", "qwen2"),
@@ -125,15 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="model_type written (default: the source folder's, else from the config: qwen2 with q/k/v biases, "
         "mistral with a sliding window, else llama)",
     )
-    p.add_argument("--data", default=None, help="calibration text (file or folder); default: the standard library")
     p.add_argument(
-        "--tokenizer",
+        "--data",
         default=None,
-        help="'byte' or a tokenizer folder/tokenizer.json for calibration and for the output folder (default: SRC's "
-        "own: the folder's tokenizer files or the checkpoint's remembered tokenizer, else bytes)",
+        help="GPTQ calibration text, a file or folder (default: the Python standard library's sources)",
     )
-    p.add_argument("--calib-samples", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=512)
+    options.add_tokenizer(p)
+    p.add_argument("--calib-samples", type=int, default=128, help="GPTQ: calibration sequences")
+    p.add_argument("--seq-len", type=int, default=512, help="GPTQ: tokens per calibration sequence")
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -141,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the model while quantizing (default: as loaded); the GPTQ format writes fp16 "
         "scales and floats whatever this is",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="device that quantizes (default: cuda when available, else cpu)")
     p.add_argument(
         "--offload",
         action="store_true",
@@ -149,6 +169,42 @@ def build_parser() -> argparse.ArgumentParser:
         "larger than the device's memory)",
     )
     return p
+
+
+def check_group_sizes(model: torch.nn.Module, config: QuantConfig) -> None:
+    """Raise one ``ValueError`` naming every layer whose input width its group size does not divide, with the way
+    out: ``--group-size 0`` (per output channel) or a power-of-two group size that divides every width (if one of at
+    least 32 does). Runs before any calibration, so that bad input fails in seconds."""
+    layers = quantizable_linears(model, config)
+    bad: dict[str, tuple[int, int]] = {}
+    for name, layer in layers.items():
+        spec = config.spec_for(name, layer.in_features)
+        if spec is not None and spec.granularity == "group" and layer.in_features % spec.group_size:
+            bad[name] = (layer.in_features, spec.group_size)
+    if not bad:
+        return
+    groups = sorted({g for _, g in bad.values()})
+    widths = math.gcd(*(layer.in_features for layer in layers.values()))
+    fits = widths & -widths  # the largest power of two dividing every width
+    while fits > max(groups[-1], 32):
+        fits //= 2
+    other = f" or --group-size {fits} (divides every layer's width)" if fits >= 32 else ""
+    raise ValueError(
+        f"--group-size {'/'.join(map(str, groups))} does not divide the input width of {len(bad)} of "
+        f"{len(layers)} layers: {_layer_list(bad)}; pass --group-size 0 (one scale per output channel){other}"
+    )
+
+
+def _layer_list(bad: dict[str, tuple[int, int]]) -> str:
+    """``layers.*.feed_forward.w2 (172 inputs, 2 layers), output2 (200 inputs)``: names with their block index
+    replaced by ``*`` where several blocks share the problem."""
+    shared: dict[tuple[str, int], list[str]] = {}
+    for name, (width, _) in bad.items():
+        shared.setdefault((re.sub(r"(?<![^.])\d+(?=\.)", "*", name), width), []).append(name)
+    return ", ".join(
+        f"{pattern} ({width} inputs, {len(names)} layers)" if len(names) > 1 else f"{names[0]} ({width} inputs)"
+        for (pattern, width), names in shared.items()
+    )
 
 
 def _calibration_spec(tokenizer: Any) -> str | None:
@@ -169,11 +225,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     dtype = DTYPES[args.dtype] if args.dtype else None
     print(f"[quantize] loading {args.src}", file=sys.stderr, flush=True)
-    model, tokenizer, arch = load_source(args.src, dtype, "cpu" if args.offload else args.device)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, arch = load_source(args.src, dtype, "cpu" if args.offload else device)
     model.eval()
     arch = args.arch or arch
-    if args.tokenizer is not None:
-        tokenizer = load_tokenizer(args.tokenizer)
     config = QuantConfig(
         bits=args.bits,
         group_size=args.group_size or None,
@@ -184,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
         damp=args.damp,
         scale_dtype=torch.float16 if args.format == "gptq" else None,
     )
+    check_group_sizes(model, config)  # every layer, before calibration text is read
+    if args.tokenizer is not None:
+        tokenizer = load_tokenizer(args.tokenizer)
     calibration: Any = None
     if args.method == "gptq":
         source = args.data or "the Python standard library (fallback: pass --data with text like the model's use)"
@@ -192,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             args.data, _calibration_spec(tokenizer), args.calib_samples, args.seq_len, model.config.vocab_size
         )
     with Progress("quantize", len(quantizable_linears(model, config)), "layers") as bar:
-        block_device = args.device if args.offload else None
+        block_device = device if args.offload else None
         report = quantize_model(
             model, config, calibration, progress=lambda name: bar.update(1, name), device=block_device
         )

@@ -22,31 +22,55 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lightning_llmopt.cli import options
     from lightning_llmopt.cli.generate import DTYPES
 
-    p = argparse.ArgumentParser(prog="llmopt serve", description="Serve a model over an OpenAI-compatible HTTP API.")
+    p = options.parser("llmopt serve", "Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder, Lightning .ckpt, or Hugging Face folder")
     p.add_argument("--preset", default=None, help="serve a randomly initialised model of this preset instead")
-    p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json path (default: the model folder's)")
+    options.add_tokenizer(p)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: folder name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to bind")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-queue", type=int, default=None, help="requests that may wait beyond --max-num-seqs (503)")
-    p.add_argument("--chat-template", default=None, help="a Jinja2 chat template (file or text) to use")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="requests that may wait beyond --max-num-seqs before a 503 (default: no limit)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja2 chat template, file or text (default: the tokenizer's or the model folder's)",
+    )
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds requests in flight may finish")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as stored (bf16 for --preset)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from free GPU memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="weights' dtype (default: as stored; bf16 for --preset)"
+    )
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: from free GPU memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together, at most")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + completion (default: the model's context)"
+    )
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV cache of shared prefixes")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--trust-pickle", action="store_true", help="allow full unpickling of a Lightning .ckpt")
     p.add_argument("--no-tuning-cache", action="store_true", help="tune kernels afresh, keep nothing on disk")
-    p.add_argument("--tuning-cache-dir", default=None, help="default: $LLMOPT_CACHE_DIR/tuning or ~/.cache/...")
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--tuning-cache-dir",
+        default=None,
+        help="where tuned kernel choices are kept (default: $LLMOPT_CACHE_DIR/tuning, else lightning_llmopt/tuning "
+        "under $XDG_CACHE_HOME or ~/.cache)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn's log level",
+    )
     return p
 
 

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_llmopt.data.chunks import ChunkDataset, make_chunks, split_chunk_indices, unigram_cross_entropy
 from lightning_llmopt.data.corpus import default_corpus_files, read_documents
+from lightning_llmopt.data.instruct import encode_documents, pack_masked, read_examples
 from lightning_llmopt.data.packed import (
     PackedDataset,
     TokenizedDocuments,
@@ -30,7 +31,18 @@ from lightning_llmopt.data.sampler import ResumableDataLoader, ResumableShardedS
 from lightning_llmopt.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # Settings that change which sample sits at which position; a resumed run that changes them is not exact.
-_ORDER_KEYS = ("seed", "seq_len", "batch_size", "val_fraction", "max_bytes", "vocab_size", "packing", "packing_buffer")
+_ORDER_KEYS = (
+    "seed",
+    "seq_len",
+    "batch_size",
+    "val_fraction",
+    "max_bytes",
+    "vocab_size",
+    "packing",
+    "packing_buffer",
+    "format",
+)
+FORMATS = ("text", "chat")
 SplitDataset = ChunkDataset | PackedDataset
 
 
@@ -47,6 +59,13 @@ class TextDataModule(LightningDataModule):
     never cross one, padding has label ``-100`` and its own doc id). Document boundaries are kept from tokenization,
     so :meth:`enable_packing` may switch modes after :meth:`setup`.
 
+    With ``format="chat"``, ``data_path`` is a JSONL file (or a directory of them) of instruction examples,
+    ``{"messages": [{"role", "content"}, ...]}`` or ``{"prompt", "completion"}``, each rendered with the tokenizer's
+    chat template and encoded by :func:`~lightning_llmopt.data.instruct.encode_example`: one document per example,
+    split by document as above, labels ``-100`` except on assistant tokens (the answer and its end of turn). With
+    ``packing`` the examples are packed into rows as documents are (positions restart, no label crosses an example);
+    with ``packing=None`` each example has rows of its own (padded). ``max_bytes`` and ``preprocess`` apply to text.
+
     The train loader shuffles with an order that depends only on ``(seed, epoch)``, shards it over
     ``trainer.world_size`` ranks, and records how far training got, so resuming from a mid-epoch checkpoint continues
     with exactly the next batch.
@@ -61,10 +80,12 @@ class TextDataModule(LightningDataModule):
         num_workers: DataLoader worker processes.
         seed: seeds the split and the per-epoch shuffles.
         jsonl_key: field of each ``.jsonl`` record that holds the text.
-        packing: ``None`` (concatenated chunks), ``"ffd"`` or ``"best_fit"`` (packed rows; see above).
+        packing: ``None`` (concatenated chunks; chat: one example per row), ``"ffd"`` or ``"best_fit"`` (packed
+            rows; see above).
         packing_buffer: documents held by the streaming packer at once (larger packs tighter).
         preprocess: a :class:`~lightning_llmopt.data.quality.DocumentPreprocessor` (quality filters,
             deduplication) run on the documents before tokenization; its report is :attr:`preprocess_report`.
+        format: ``"text"`` (documents) or ``"chat"`` (instruction/chat examples; see above).
     """
 
     def __init__(
@@ -81,6 +102,7 @@ class TextDataModule(LightningDataModule):
         packing: str | None = None,
         packing_buffer: int = 1024,
         preprocess: DocumentPreprocessor | None = None,
+        format: str = "text",
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
@@ -93,6 +115,12 @@ class TextDataModule(LightningDataModule):
         if num_workers < 0:
             raise ValueError(f"num_workers ({num_workers!r}) must be >= 0")
         _check_packing(packing, packing_buffer)
+        if format not in FORMATS:
+            raise ValueError(f"format ({format!r}) must be one of {FORMATS}")
+        if format == "chat" and data_path is None:
+            raise ValueError("format='chat' needs data_path: a JSONL file (or directory) of chat/instruction examples")
+        if format == "chat" and preprocess is not None:
+            raise ValueError("preprocess applies to format='text' documents, not to format='chat' examples")
         if data_path is not None and not Path(data_path).expanduser().exists():
             raise FileNotFoundError(f"data_path {data_path!r} does not exist")
         self.save_hyperparameters(ignore=["preprocess"])
@@ -107,8 +135,10 @@ class TextDataModule(LightningDataModule):
         self.jsonl_key = jsonl_key
         self.packing = packing
         self.packing_buffer = packing_buffer
+        self.format = format
         self._tokenizer = load_tokenizer(tokenizer)
         self._docs: TokenizedDocuments | None = None
+        self._targets: TokenizedDocuments | None = None  # format="chat": 1 on assistant tokens, 0 elsewhere
         self._train: SplitDataset | None = None
         self._val: SplitDataset | None = None
         # Packing mode only: {"waste_before", "waste_after", "rows", "documents"} of the train split.
@@ -149,7 +179,11 @@ class TextDataModule(LightningDataModule):
         """Tokenizes and splits the corpus once per process (kept in memory; nothing is written to disk)."""
         if self._train is not None:
             return
-        self._docs = tokenize_with_lengths(self._documents(), self._tokenizer, self.max_bytes)
+        if self.format == "chat":
+            assert self.data_path is not None
+            self._docs, self._targets = encode_documents(read_examples(self.data_path), self._tokenizer)
+        else:
+            self._docs = tokenize_with_lengths(self._documents(), self._tokenizer, self.max_bytes)
         self.num_documents = self._docs.lengths.numel()
         self.num_tokens = self._docs.tokens.numel()
         if self.preprocess is not None:
@@ -168,7 +202,7 @@ class TextDataModule(LightningDataModule):
     def _build_datasets(self) -> None:
         assert self._docs is not None
         source = self.data_path or "the default corpus"
-        if self.packing is None:
+        if self.packing is None and self._targets is None:
             self.padding_stats = None
             tokens = self._docs.tokens
             chunks = make_chunks(tokens, self.seq_len)  # (C, T + 1)
@@ -182,15 +216,28 @@ class TextDataModule(LightningDataModule):
             return
         if self.num_documents < 2:
             raise ValueError(
-                f"{source!r} gives {self.num_documents} document(s): packing splits train and validation by "
-                "document and needs at least 2"
+                f"{source!r} gives {self.num_documents} document(s): "
+                f"{'packing' if self._targets is None else 'format=chat'} splits train and validation by document "
+                "and needs at least 2"
             )
         pad_id = self._tokenizer.eos_id if self._tokenizer.eos_id is not None else 0
         train_idx, val_idx = split_documents(self._docs, self.val_fraction, self.seed)
-        train, val = (
-            pack_documents(self._docs.select(idx), self.seq_len, self.packing, self.packing_buffer, pad_id)
-            for idx in (train_idx, val_idx)
-        )
+        train: PackedDataset
+        val: PackedDataset
+        if self._targets is not None:
+            targets = self._targets
+            train, val = (
+                pack_masked(
+                    self._docs.select(i), targets.select(i), self.seq_len, self.packing, self.packing_buffer, pad_id
+                )
+                for i in (train_idx, val_idx)
+            )
+        else:
+            assert self.packing is not None
+            train, val = (
+                pack_documents(self._docs.select(idx), self.seq_len, self.packing, self.packing_buffer, pad_id)
+                for idx in (train_idx, val_idx)
+            )
         self._train, self._val = train, val
         waste = train.padding_waste()
         self.padding_stats = {
@@ -220,8 +267,9 @@ class TextDataModule(LightningDataModule):
         dataset = self.train_dataset
         sampler = self.sampler_factory(dataset, num_replicas=world_size, rank=rank, seed=self.seed)
         if len(sampler) < self.batch_size:
+            kind = "rows" if isinstance(dataset, PackedDataset) else "chunks"
             raise ValueError(
-                f"train split has {len(dataset)} {'rows' if self.packing else 'chunks'}, {len(sampler)} per rank "
+                f"train split has {len(dataset)} {kind}, {len(sampler)} per rank "
                 f"over {world_size} data-parallel ranks: "
                 f"fewer than batch_size ({self.batch_size}); use more data or a smaller batch_size/seq_len"
             )
@@ -260,6 +308,7 @@ class TextDataModule(LightningDataModule):
             "vocab_size": self.vocab_size,
             "packing": self.packing,
             "packing_buffer": self.packing_buffer,
+            "format": self.format,
         }
 
     @override
@@ -297,4 +346,3 @@ def data_parallel_position(trainer: Any) -> tuple[int, int]:
     if "num_replicas" in kwargs and "rank" in kwargs:
         return int(kwargs["num_replicas"]), int(kwargs["rank"])
     return trainer.world_size, trainer.global_rank
-

@@ -14,6 +14,8 @@ in an assistant span, ``-100`` elsewhere.
 
 Torch and the tokenizer only (no Lightning); :class:`InstructionDataset` is a map-style dataset of packed rows
 (``input_ids``, ``labels``, ``positions``, ``doc_ids``: ``(T,)`` int64 each) for any ``DataLoader``.
+:func:`encode_documents` and :class:`MaskedPackedDataset` are the same data as a document stream, for the ``chat``
+format of :class:`~lightning_llmopt.data.datamodule.TextDataModule` (split by document, streaming packer).
 """
 
 from __future__ import annotations
@@ -27,9 +29,18 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_llmopt.data.packing import IGNORE_INDEX, pack, pack_rows
+from lightning_llmopt.data.packed import PackedDataset, TokenizedDocuments
+from lightning_llmopt.data.packing import IGNORE_INDEX, Piece, StreamingPacker, build_row, pack, pack_rows, row_pieces
 
-__all__ = ["InstructionDataset", "encode_example", "read_jsonl"]
+__all__ = [
+    "InstructionDataset",
+    "MaskedPackedDataset",
+    "encode_documents",
+    "encode_example",
+    "pack_masked",
+    "read_examples",
+    "read_jsonl",
+]
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -42,6 +53,15 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number} is not valid JSON ({exc.msg})") from None
     return examples
+
+
+def read_examples(path: str | Path) -> list[dict[str, Any]]:
+    """The examples of a ``.jsonl`` file, or of every ``*.jsonl`` file of a directory (sorted by path)."""
+    path = Path(path).expanduser()
+    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
+    if not files:
+        raise ValueError(f"directory {str(path)!r} holds no .jsonl file")
+    return [example for file in files for example in read_jsonl(file)]
 
 
 def _messages(example: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -150,3 +170,80 @@ class InstructionDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         return {k: v[i] for k, v in self.rows.items()}
+
+
+def encode_documents(
+    examples: Sequence[dict[str, Any]], tokenizer: Any
+) -> tuple[TokenizedDocuments, TokenizedDocuments]:
+    """Every example encoded by :func:`encode_example` as one document of a stream: ``(docs, targets)``, where
+    ``targets.tokens`` is ``(N,)`` int64, 1 where ``docs.tokens`` is an assistant (completion) token, 0 elsewhere;
+    both have the same ``lengths``. No eos is appended: the template's end of turn (or the completion's eos) ends a
+    document."""
+    if getattr(tokenizer, "chat_template", None) is None and any("messages" in e for e in examples):
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no chat template, needed for 'messages' examples: use a tokenizer folder "
+            "with one (tokenizer_config.json 'chat_template' or chat_template.jinja), or prompt/completion examples"
+        )
+    encoded = [encode_example(e, tokenizer) for e in examples]
+    lengths = torch.tensor([len(ids) for ids, _ in encoded], dtype=torch.int64)
+    empty = [i for i, n in enumerate(lengths.tolist()) if n == 0]
+    if empty:
+        raise ValueError(f"examples {empty[:10]} encode to no tokens")
+    ids = torch.tensor([i for e, _ in encoded for i in e], dtype=torch.int64)
+    flags = torch.tensor([t for _, e in encoded for t in e], dtype=torch.int64)
+    return TokenizedDocuments(ids, lengths), TokenizedDocuments(flags, lengths.clone())
+
+
+class MaskedPackedDataset(PackedDataset):
+    """A :class:`~lightning_llmopt.data.packed.PackedDataset` whose labels are ``-100`` except where the label token
+    is a target (an assistant token): rows are built as for text, then masked by the same row of ``targets``.
+
+    Arguments:
+        docs: the documents of this split (from :func:`encode_documents`).
+        targets: their target flags, same ``lengths``.
+        rows, seq_len, pad_id: as for :class:`~lightning_llmopt.data.packed.PackedDataset`.
+    """
+
+    def __init__(
+        self,
+        docs: TokenizedDocuments,
+        targets: TokenizedDocuments,
+        rows: list[list[Piece]],
+        seq_len: int,
+        pad_id: int = 0,
+    ) -> None:
+        if not torch.equal(docs.lengths, targets.lengths):
+            raise ValueError("docs and targets must have the same document lengths")
+        super().__init__(docs, rows, seq_len, pad_id)
+        self.targets = targets
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        row = super().__getitem__(index)
+        flags = build_row(self.targets.tokens, self._offsets, self.rows[index], self.seq_len)["labels"]  # (T,)
+        row["labels"] = torch.where(flags == 1, row["labels"], IGNORE_INDEX)
+        return row
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Labels that carry loss over the whole split (a document's first token is never a label)."""
+        firsts = self.targets.tokens[self.targets.offsets]
+        return int(self.targets.tokens.sum() - firsts.sum())
+
+
+def pack_masked(
+    docs: TokenizedDocuments,
+    targets: TokenizedDocuments,
+    seq_len: int,
+    algorithm: str | None,
+    buffer_size: int = 1024,
+    pad_id: int = 0,
+) -> MaskedPackedDataset:
+    """Rows of ``seq_len`` tokens: packed in stream order by a
+    :class:`~lightning_llmopt.data.packing.StreamingPacker` (``algorithm`` ``"ffd"`` or ``"best_fit"``), or one
+    document per row (``None``; a longer one over ``ceil(n / seq_len)`` rows)."""
+    lengths = docs.lengths.tolist()
+    if algorithm is None:
+        rows = row_pieces([[d] for d, n in enumerate(lengths) for _ in range(-(-n // seq_len))], lengths, seq_len)
+    else:
+        rows = list(StreamingPacker(seq_len, buffer_size, algorithm).pack_lengths(lengths))
+    return MaskedPackedDataset(docs, targets, rows, seq_len, pad_id)

@@ -54,7 +54,8 @@ class LLMEngine(EngineOutputs):
 
     Arguments:
         model: the decoder, on the device and in the dtype to serve with (put in eval mode).
-        tokenizer: optional, with ``encode``/``decode``/``eos_id`` (needed for string prompts and text output).
+        tokenizer: optional, with ``encode(text, add_special_tokens=...)``/``decode``/``eos_id`` (needed for string
+            prompts, which get its special tokens as transformers adds them, and for text output).
         config: an :class:`EngineConfig`; keyword ``overrides`` replace its fields.
         kv_scales: calibrated :class:`KVScales` for ``kv_dtype="int8"`` (or call :meth:`calibrate_kv` later).
         startup: a :class:`~lightning_llmopt.inference.startup.StartupLog` to record the build's phases in (one that
@@ -195,10 +196,13 @@ class LLMEngine(EngineOutputs):
         return cls(model, tokenizer if tokenizer is not None else found_tokenizer, startup=startup, **engine_kwargs)
 
     # ------------------------------------------------------------------ requests
-    def _validate(self, prompt: Prompt, params: SamplingParams, truncate: bool) -> tuple[list[int], int]:
+    def _validate(
+        self, prompt: Prompt, params: SamplingParams, truncate: bool, add_special_tokens: bool = True
+    ) -> tuple[list[int], int]:
         tokens, dropped = validate_prompt(
-            prompt, params, truncate, self.tokenizer, self.model.config.vocab_size, self.max_model_len
-        )
+            prompt, params, truncate, self.tokenizer, self.model.config.vocab_size, self.max_model_len,
+            add_special_tokens,
+        )  # fmt: skip
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {list(params.stop)!r} need a tokenizer to detokenise the output")
         need = self.blocks.blocks_for(len(tokens) + params.max_tokens)
@@ -210,10 +214,17 @@ class LLMEngine(EngineOutputs):
         self.pool.check_ready()
         return tokens, dropped
 
-    def check_request(self, prompt: Prompt, params: SamplingParams | None = None, truncate: bool = False) -> list[int]:
+    def check_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        truncate: bool = False,
+        add_special_tokens: bool = True,
+    ) -> list[int]:
         """Validate a request as :meth:`add_request` does, queueing nothing; returns the prompt's token ids. It only
         reads the engine's configuration, so another thread (an HTTP handler) may call it while the engine steps."""
-        return self._validate(prompt, params if params is not None else SamplingParams(), truncate)[0]
+        params = params if params is not None else SamplingParams()
+        return self._validate(prompt, params, truncate, add_special_tokens)[0]
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is queued, running, or finished and not collected by :meth:`result` yet."""
@@ -225,10 +236,13 @@ class LLMEngine(EngineOutputs):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         truncate: bool = False,
+        add_special_tokens: bool = True,
     ) -> str:
-        """Queue one prompt; returns its id. Raises ``ValueError`` (queueing nothing) for bad input."""
+        """Queue one prompt; returns its id. Raises ``ValueError`` (queueing nothing) for bad input. A string prompt
+        gets the tokenizer's special tokens (its BOS) unless ``add_special_tokens=False`` (text that already holds
+        them, e.g. a rendered chat template); ``truncate=True`` keeps the end of a prompt too long for the context."""
         params = params if params is not None else SamplingParams()
-        tokens, dropped = self._validate(prompt, params, truncate)
+        tokens, dropped = self._validate(prompt, params, truncate, add_special_tokens)
         return self._enqueue(tokens, params, request_id, dropped)
 
     def _enqueue(self, tokens: list[int], params: SamplingParams, request_id: str | None, dropped: int) -> str:
@@ -387,17 +401,23 @@ class LLMEngine(EngineOutputs):
         prompts: Prompt | Iterable[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
         truncate: bool,
+        add_special_tokens: bool = True,
     ) -> list[tuple[list[int], SamplingParams, int]]:
-        return prepare_batch(prompts, params, lambda prompt, sp: self._validate(prompt, sp, truncate))
+        return prepare_batch(
+            prompts, params, lambda prompt, sp: self._validate(prompt, sp, truncate, add_special_tokens)
+        )
 
     def stream(
         self,
         prompts: Prompt | Iterable[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         truncate: bool = False,
+        add_special_tokens: bool = True,
     ) -> Iterator[StreamEvent]:
-        """Yield :class:`StreamEvent` s of these prompts as tokens are produced (all prompts are validated first)."""
-        ids = [self._enqueue(t, p, None, d) for t, p, d in self._prepare_batch(prompts, params, truncate)]
+        """Yield :class:`StreamEvent` s of these prompts as tokens are produced (all prompts are validated first;
+        ``truncate`` and ``add_special_tokens`` as in :meth:`add_request`)."""
+        batch = self._prepare_batch(prompts, params, truncate, add_special_tokens)
+        ids = [self._enqueue(t, p, None, d) for t, p, d in batch]
         mine = set(ids)
         try:
             while any(not self._requests[r].finished for r in mine):
@@ -415,9 +435,11 @@ class LLMEngine(EngineOutputs):
         prompts: Prompt | Iterable[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         truncate: bool = False,
+        add_special_tokens: bool = True,
     ) -> list[Completion]:
-        """Complete every prompt; results in prompt order. All prompts are validated before any is queued."""
-        batch = self._prepare_batch(prompts, params, truncate)
+        """Complete every prompt; results in prompt order. All prompts are validated before any is queued
+        (``truncate`` and ``add_special_tokens`` as in :meth:`add_request`)."""
+        batch = self._prepare_batch(prompts, params, truncate, add_special_tokens)
         ids = [self._enqueue(t, p, None, d) for t, p, d in batch]
         while any(not self._requests[r].finished for r in ids) and self.scheduler.has_work():
             self.step()

@@ -5,6 +5,8 @@
   checkpoint): only the model tensors are read, straight into the parameters;
 - a Lightning ``.ckpt`` of :class:`~lightning_llmopt.module.CausalLMModule` (``state_dict`` with ``model.`` keys,
   the config under ``hyper_parameters["model"]``);
+- a run folder holding either (``runs/NAME`` or ``runs/NAME/checkpoints``: ``last`` wins, else the newest; see
+  :func:`~lightning_llmopt.checkpoint_io.find_checkpoint`, which also reads the two formats above);
 - a Hugging Face folder (``config.json`` + safetensors) through :func:`~lightning_llmopt.models.hf.from_hf`, or,
   when its ``config.json`` holds a ``quantization_config`` (GPTQ or compressed-tensors, as ``llmopt quantize`` and
   ``llmopt export`` write them), through :func:`~lightning_llmopt.quantization.load_quantized`; the folder's
@@ -17,18 +19,20 @@ work without ``--tokenizer``.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_llmopt.checkpoint_io import lightning_tokenizer
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.init import to_empty
 from lightning_llmopt.models.llama import Llama
 
 __all__ = ["load_model", "model_from_state_dict", "random_model"]
+
+_checkpoint_tokenizer = lightning_tokenizer  # its name before it moved to checkpoint_io
 
 
 def _strip(name: str) -> str:
@@ -76,80 +80,21 @@ def random_model(config: LlamaConfig, device: torch.device | str, dtype: torch.d
     return model
 
 
-def _load_dcp(path: Path, dtype: torch.dtype | None, device: torch.device | str) -> tuple[Llama, Any]:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from lightning_llmopt.cli.consolidate import (
-        _get,
-        _load,
-        _model_keys,
-        _nested,
-        checkpoint_tokenizer,
-        config_from_checkpoint,
-        resolve_checkpoint,
-    )
-    from lightning_llmopt.models.hf_weights import key_map
-
-    folder, marker = resolve_checkpoint(path)
-    metadata = FileSystemReader(str(folder)).read_metadata()
-    config = config_from_checkpoint(folder, metadata, marker)
-    if config is None:
-        raise ValueError(f"checkpoint {folder} stores no model config (no 'config' state entry or marker field)")
-    found = _model_keys(metadata, set(key_map(config)))
-    flat_of = {
-        tuple(str(p) for p in (metadata.planner_data or {}).get(k, (k,))): k for k in metadata.state_dict_metadata
-    }
-    entries = {}
-    for dcp_path in found.values():
-        meta: Any = metadata.state_dict_metadata[flat_of[dcp_path]]
-        entries[dcp_path] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    state = _nested(entries)
-    _load(state, folder)
-    model = model_from_state_dict(config, {n: _get(state, p) for n, p in found.items()}, dtype, device)
-    return model, checkpoint_tokenizer(folder, metadata)
-
-
-def _load_lightning(
-    path: Path, dtype: torch.dtype | None, device: torch.device | str, trust_pickle: bool
+def _load_checkpoint(
+    source: Path, dtype: torch.dtype | None, device: torch.device | str, trust_pickle: bool
 ) -> tuple[Llama, Any]:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=not trust_pickle, mmap=True)
-    except pickle.UnpicklingError as exc:
-        raise ValueError(
-            f"{path} holds objects a weights-only load refuses ({str(exc).splitlines()[0]}); if you "
-            "trust the file, pass trust_pickle=True"
-        ) from exc
-    hp = ckpt.get("hyper_parameters", {})
-    model_cfg = hp.get("model")
-    if isinstance(model_cfg, str):
-        config = LlamaConfig.from_preset(model_cfg, **(hp.get("model_overrides") or {}))
-    elif isinstance(model_cfg, dict):
-        config = LlamaConfig.from_dict(dict(model_cfg))
-    elif isinstance(model_cfg, LlamaConfig):
-        config = model_cfg
-    else:
-        raise ValueError(f"{path}: no model config under hyper_parameters['model'] (a CausalLMModule checkpoint?)")
-    if "state_dict" not in ckpt:
-        raise ValueError(f"{path}: no 'state_dict' (a sharded strategy's checkpoint? pass its folder instead)")
-    return model_from_state_dict(config, ckpt["state_dict"], dtype, device), _checkpoint_tokenizer(ckpt, path)
+    """A training checkpoint (a ``.ckpt``, a DCP folder, or a folder holding them): only the model tensors are
+    read, straight into the parameters."""
+    from lightning_llmopt.checkpoint_io import open_checkpoint
 
-
-def _checkpoint_tokenizer(ckpt: dict[str, Any], path: Path) -> Any:
-    """The tokenizer a Lightning checkpoint was trained with, or ``None`` when it does not say."""
-    from lightning_llmopt.data.tokenizers import load_tokenizer
-
-    spec = ckpt.get("llmopt_tokenizer", ...)
-    if spec is ...:
-        dm_hparams = ckpt.get("datamodule_hyper_parameters")
-        if not isinstance(dm_hparams, dict) or "tokenizer" not in dm_hparams:
-            return None
-        spec = dm_hparams["tokenizer"]
-    if spec is None or spec == "byte":
-        return load_tokenizer("byte")
-    for candidate in (Path(str(spec)).expanduser(), path.parent / str(spec)):
-        if candidate.exists():
-            return load_tokenizer(candidate)
-    return None  # moved or deleted since training: the caller asks for --tokenizer
+    reader = open_checkpoint(source, trust_pickle=trust_pickle)
+    config = reader.saved_config()
+    if config is None:
+        raise ValueError(f"checkpoint {reader.path} stores no model config ({reader.config_source})")
+    with torch.device("meta"):
+        names = set(Llama(config).state_dict())
+    state = reader.read(list(reader.model_tensors(names)))
+    return model_from_state_dict(config, state, dtype, device), reader.tokenizer()
 
 
 def _load_hf_folder(path: Path, dtype: torch.dtype | None, device: torch.device | str) -> Llama:
@@ -183,14 +128,12 @@ def load_model(
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     tokenizer = None
-    if path.is_file():
-        model, tokenizer = _load_lightning(path, dtype, device, trust_pickle)
-    elif (path / "config.json").is_file():
+    if path.is_dir() and (path / "config.json").is_file():
         model = _load_hf_folder(path, dtype, device)
         if (path / "tokenizer.json").is_file():
             from lightning_llmopt.data.tokenizers import load_tokenizer
 
             tokenizer = load_tokenizer(path)
     else:
-        model, tokenizer = _load_dcp(path, dtype, device)
+        model, tokenizer = _load_checkpoint(path, dtype, device, trust_pickle)
     return model.eval(), tokenizer

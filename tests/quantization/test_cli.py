@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_llmopt.cli import export as export_cli
@@ -102,3 +103,51 @@ def test_export_keeps_architecture_and_tokenizer(tmp_path: Path) -> None:
         assert (out / name).read_text() == (ct / name).read_text(), name
     a, b = load_quantized(ct), load_quantized(out)
     assert torch.equal(a.layers["0"].attention.wq.qweight, b.layers["0"].attention.wq.qweight)
+
+
+def _fail(*args: object, **kwargs: object) -> None:
+    raise AssertionError("calibration or quantization started before the group sizes were checked")
+
+
+def test_quantize_names_layers_the_group_size_does_not_divide_before_calibration(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A 172-wide layer (the FFN down projection) with the default --group-size 128: one line naming the layers and
+    --group-size 0, before any calibration text is read or any layer is quantized; --group-size 0 then works."""
+    from lightning_llmopt.cli.main import main as llmopt
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_preset("tiny", dim=256, ffn_hidden_dim=172, init_std=0.05)).eval()
+    src = to_hf(model, tmp_path / "hf")
+    monkeypatch.setattr(quantize_cli, "calibration_batches", _fail)
+    monkeypatch.setattr(quantize_cli, "quantize_model", _fail)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        llmopt(["quantize", str(src), str(tmp_path / "q"), "--method", "gptq", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "[quantize] calibration text" not in err, err
+    line = lines[0]
+    assert line.startswith("llmopt quantize: error: --group-size 128 does not divide"), line
+    assert "layers.*.feed_forward.w2 (172 inputs, 2 layers)" in line and "attention" not in line, line
+    assert "2 of 14 layers" in line and "pass --group-size 0 (one scale per output channel)" in line, line
+    assert "or --group-size" not in line, line  # 172 = 4 * 43: no power of two >= 32 divides it
+    assert not (tmp_path / "q").exists()
+
+    monkeypatch.undo()  # the way out the message names works
+    out = quantize_cli.main([str(src), str(tmp_path / "q"), "--method", "rtn", "--group-size", "0", "--device", "cpu"])
+    assert load_quantized(out).layers["0"].feed_forward.w2.group_size == 172
+
+
+def test_group_size_check_names_a_group_size_dividing_every_width() -> None:
+    """Widths 256 and 320 (gcd 64): the message offers --group-size 64, which then quantizes every layer."""
+    model = Llama(LlamaConfig.from_preset("tiny", dim=256, ffn_hidden_dim=320)).eval()
+    with pytest.raises(ValueError) as error:
+        quantize_cli.check_group_sizes(model, QuantConfig(group_size=128))
+    message = str(error.value)
+    assert "layers.*.feed_forward.w2 (320 inputs, 2 layers)" in message, message
+    assert "--group-size 0 (one scale per output channel) or --group-size 64 (divides every layer's width)" in message
+    quantize_cli.check_group_sizes(model, QuantConfig(group_size=64))  # passes, and the layers quantize with it
+    report = quantize_model(model, QuantConfig(group_size=64))
+    assert len(report.layers) == 14 and set(report.layers.values()) == {"int4-g64-sym"}

@@ -186,14 +186,13 @@ def fit(
         max_steps=steps,
         logger=False,
         enable_progress_bar=False,
-        enable_checkpointing=False,
         enable_model_summary=False,
         callbacks=[recorder, *(callbacks or [])],
         default_root_dir=root,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         gradient_clip_val=clip,
-        **(trainer_kwargs or {}),
+        **{"enable_checkpointing": False, **(trainer_kwargs or {})},  # a ModelCheckpoint needs it True
     )
     dp, rank = 1, 0
     if nd is not None:

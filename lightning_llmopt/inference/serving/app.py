@@ -4,9 +4,14 @@
 Handlers validate the body (:mod:`.protocol`), check the prompt against the engine (token ids, context length),
 hand the request to the engine loop (:mod:`.async_engine`) and read its events: as server-sent events in OpenAI's
 chunk format ending with ``data: [DONE]`` when ``stream`` is true, else as one JSON body. A client that goes away
-cancels its request. Errors are OpenAI's ``{"error": {...}}`` bodies: 400 for a bad request, 401 for a missing or
-wrong API key (``api_key``), 404 for an unknown model, 503 with ``Retry-After`` while loading or past ``max_queue``,
-500 once the engine's build has failed.
+cancels its request. Errors are OpenAI's ``{"error": {...}}`` bodies, on every route: 400 for a bad request, 401 for
+a missing or wrong API key (``api_key``), 404 for an unknown model or route, 405 for a method a route does not take,
+503 with ``Retry-After`` while loading or past ``max_queue``, 500 once the engine's build has failed (or for an
+unexpected error). ``/health`` answers a status object instead (``{"status": ...}``), as probes expect.
+
+Text is encoded as everywhere else in the package (:func:`~lightning_llmopt.inference.inputs.encode_prompt`): a
+completion's text prompt gets the tokenizer's special tokens (``add_special_tokens`` defaults to true, as in vLLM), a
+rendered chat prompt does not (its template writes them; the field defaults to false there, as in vLLM).
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the routes' ``Request`` annotations at runtime
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_llmopt.inference.engine import LLMEngine
+from lightning_llmopt.inference.inputs import ContextLengthError, Prompt, encode_prompt
 from lightning_llmopt.inference.serving.async_engine import AsyncEngine, QueueFull
 from lightning_llmopt.inference.serving.chat import ChatTemplate, find_chat_template
 from lightning_llmopt.inference.serving.metrics import ServerMetrics
@@ -105,9 +111,18 @@ class Server:
                            "--chat-template FILE", param="messages", code="no_chat_template")  # fmt: skip
         return self._template.render
 
-    def tokens(self, engine: LLMEngine, prompt: str | list[int], params: Any, param: str) -> list[int]:
+    def tokens(self, engine: LLMEngine, prompt: Prompt, params: Any, param: str, add_special_tokens: bool = True,
+               truncate_prompt_tokens: int | None = None) -> list[int]:  # fmt: skip
+        """The prompt's ids, checked by the engine (a 400 naming ``param`` if refused): text encoded with the
+        tokenizer's special tokens when ``add_special_tokens``; ``truncate_prompt_tokens`` keeps the last k tokens
+        (``-1``: as many as fit beside ``max_tokens``)."""
+        keep = truncate_prompt_tokens
         try:
-            return engine.check_request(prompt, params)
+            if keep is not None and keep > 0:
+                prompt = encode_prompt(prompt, engine.tokenizer, add_special_tokens)[-keep:]
+            return engine.check_request(prompt, params, truncate=keep == -1, add_special_tokens=add_special_tokens)
+        except ContextLengthError as exc:
+            raise APIError(400, _too_long(exc), param=param, code="context_length_exceeded") from None
         except (ValueError, TypeError) as exc:
             code = "context_length_exceeded" if "max_model_len" in str(exc) or "KV blocks" in str(exc) else None
             raise APIError(400, str(exc), param=param, code=code or "invalid_value") from None
@@ -137,6 +152,18 @@ class Server:
         u = usage(job)
         self.metrics.prompt_tokens.inc(u["prompt_tokens"])
         self.metrics.generation_tokens.inc(u["completion_tokens"])
+
+
+def _too_long(exc: ContextLengthError) -> str:
+    """The context-length message with the remedy this API takes (``truncate_prompt_tokens``, not the Python API's
+    ``truncate=True``)."""
+    if exc.room < 1:
+        return f"{exc}; lower max_tokens"
+    return (
+        f"prompt ({exc.prompt_tokens} tokens) + max_tokens ({exc.max_tokens}) exceeds max_model_len "
+        f"({exc.max_model_len}); shorten the prompt, lower max_tokens, or send \"truncate_prompt_tokens\": "
+        f"{exc.room} (or -1) to keep its last {exc.room} tokens"
+    )
 
 
 def _special_strings(tokenizer: Any) -> tuple[str, str]:
@@ -254,6 +281,8 @@ def build_app(server: Server) -> Any:
             server.metrics.rejected.labels("invalid").inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    _framework_errors(app)
+
     @app.get("/health")
     async def health() -> Any:
         state = server.core.state
@@ -270,6 +299,34 @@ def build_app(server: Server) -> Any:
 
     _generation_routes(app, server)
     return app
+
+
+def _framework_errors(app: Any) -> None:
+    """The web framework's own errors (no such route, a method the route does not take, an unexpected exception)
+    as OpenAI error bodies instead of ``{"detail": ...}`` or plain text."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Any:
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            error = APIError(404, f"no route {where}; the API is under /v1 (completions, chat/completions, models)",
+                             code="not_found")  # fmt: skip
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            error = APIError(405, f"method {request.method} is not allowed on {request.url.path} (allowed: {allowed})",
+                             code="method_not_allowed")  # fmt: skip
+        else:
+            error = APIError(exc.status_code, f"{where}: {exc.detail}")
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Any:  # the server logs the traceback
+        error = APIError(500, f"internal server error ({type(exc).__name__}) in {request.method} {request.url.path}",
+                         code="internal_error", kind="server_error")  # fmt: skip
+        return JSONResponse(error.body(), status_code=500)
 
 
 def _generation_routes(app: Any, server: Server) -> None:
@@ -290,7 +347,10 @@ def _generation_routes(app: Any, server: Server) -> None:
         req = parse_completion(await _body(request))
         server.check_model(req.model)
         engine = server.engine
-        prompts = [server.tokens(engine, p, req.params, "prompt") for p in req.prompts]
+        prompts = [
+            server.tokens(engine, p, req.params, "prompt", req.add_special_tokens, req.truncate_prompt_tokens)
+            for p in req.prompts
+        ]
         job = server.submit("completion", req.model, prompts, req.params, req.logprobs)
         return await _respond(server, job, req, request)
 
@@ -305,10 +365,10 @@ def _generation_routes(app: Any, server: Server) -> None:
             text = render(req.messages)
         except Exception as exc:  # noqa: BLE001 - the template refused the messages (roles, content)
             raise APIError(400, f"chat template: {exc}", param="messages") from None
-        params = req.params
-        tokens = server.tokens(engine, text, params, "messages")
+        params, encoding = req.params, (req.add_special_tokens, req.truncate_prompt_tokens)
+        tokens = server.tokens(engine, text, params, "messages", *encoding)
         if not req.max_tokens_given:  # the answer may fill the context
             params = dataclasses.replace(params, max_tokens=max(engine.max_model_len - len(tokens), 1))
-            tokens = server.tokens(engine, text, params, "messages")
+            tokens = server.tokens(engine, tokens, params, "messages")
         job = server.submit("chat", req.model, [tokens], params, req.logprobs)
         return await _respond(server, job, req, request)

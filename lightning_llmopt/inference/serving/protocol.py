@@ -3,7 +3,10 @@
 Every key of a body is either supported (:data:`COMPLETION_FIELDS`, :data:`CHAT_FIELDS`) or refused with a 400
 naming it: nothing is silently ignored. A key sent as ``null`` counts as absent. ``user`` is accepted as metadata
 (it changes nothing, as with OpenAI). Extensions beyond OpenAI's fields, as vLLM names them: ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids`` and ``ignore_eos``; ``stop`` also takes token ids.
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``add_special_tokens`` (whether text is encoded with the
+tokenizer's special tokens: true for completions, as transformers and ``llmopt generate`` encode text; false for
+chat, whose template writes them) and ``truncate_prompt_tokens`` (keep the prompt's last k tokens; -1: as many as fit
+beside ``max_tokens``); ``stop`` also takes token ids.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ __all__ = ["APIError", "ChatRequest", "CompletionRequest", "parse_chat", "parse_
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "user", "ignore_eos",
+    "add_special_tokens", "truncate_prompt_tokens",
 }  # fmt: skip
 COMPLETION_FIELDS = frozenset(_SAMPLING | {"prompt", "logprobs"})
 CHAT_FIELDS = frozenset(_SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"})
@@ -52,6 +56,8 @@ class CompletionRequest:
     include_usage: bool
     continuous_usage: bool
     logprobs: int | None
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: as many as fit
 
 
 @dataclass
@@ -66,6 +72,8 @@ class ChatRequest:
     continuous_usage: bool
     logprobs: int | None  # top_logprobs when ``logprobs`` is true
     max_tokens_given: bool
+    add_special_tokens: bool = False  # the template writes the BOS
+    truncate_prompt_tokens: int | None = None
 
 
 def _check_keys(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
@@ -154,6 +162,15 @@ def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) 
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
 
 
+def _encoding(body: dict[str, Any], special_default: bool) -> tuple[bool, int | None]:
+    """``(add_special_tokens, truncate_prompt_tokens)`` as vLLM reads them."""
+    special = bool(_typed(body, "add_special_tokens", (bool,), special_default))
+    keep = _typed(body, "truncate_prompt_tokens", (int,), None)
+    if keep is not None and keep < 1 and keep != -1:
+        raise _bad("truncate_prompt_tokens", f"must be >= 1 (prompt tokens to keep) or -1 (as many as fit), got {keep}")
+    return special, keep
+
+
 def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -178,7 +195,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     stream = _typed(body, "stream", (bool,), False)
     return CompletionRequest(
         body["model"], _prompts(body), _params(body, max_tokens, logprobs), stream, *_stream_options(body, stream),
-        logprobs,
+        logprobs, *_encoding(body, True),
     )  # fmt: skip
 
 
@@ -221,4 +238,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatRequest:
     messages = _messages(body)
     params = _params(body, max_tokens if max_tokens is not None else default_max_tokens, logprobs)
     usage, continuous = _stream_options(body, stream)
-    return ChatRequest(body["model"], messages, params, stream, usage, continuous, logprobs, max_tokens is not None)
+    return ChatRequest(
+        body["model"], messages, params, stream, usage, continuous, logprobs, max_tokens is not None,
+        *_encoding(body, False),
+    )  # fmt: skip

@@ -32,13 +32,17 @@ class Job:
     prompt_tokens: list[int]
     n: int
     logprobs: int | None
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    id: str = ""  # OpenAI's shape: chatcmpl-... for chat, cmpl-... for completions
     created: int = field(default_factory=lambda: int(time.time()))
     texts: dict[int, list[str]] = field(default_factory=dict)
     lps: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     reasons: dict[int, str | None] = field(default_factory=dict)
     started: set[int] = field(default_factory=set)  # chat choices whose role chunk was sent
     generated: int = 0  # tokens streamed so far, all choices
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
 
     def cancel(self) -> None:
         for h in self.handles:
