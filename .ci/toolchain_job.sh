@@ -14,6 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 WANDB_SILENT=true
+unset PYTHONDONTWRITEBYTECODE  # bytecode written and reused: the venv installs with --no-compile (see .ci/run)
 start=$(date +%s)
 phase=${1:-all}
 case "$phase" in all|prepare|test) ;; *) echo "usage: toolchain_job.sh [prepare|test]" >&2; exit 2 ;; esac

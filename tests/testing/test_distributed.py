@@ -112,6 +112,9 @@ def test_timeout_kills_workers_and_restarts() -> None:
         with pytest.raises(DistributedTimeoutError, match="longer than 1 s"):
             pool.run(time.sleep, 60)
         assert not pool.started
+        # the restarted worker's first task imports this module: give it time on a loaded machine (CI once took
+        # over 1 s); what is tested is that the pool restarts, not how fast
+        pool.timeout = 120.0
         assert pool.run(_rank_info, "again")[0][:3] == (0, 1, "again")
         assert pool.pids != first
     finally:
