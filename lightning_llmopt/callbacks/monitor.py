@@ -136,6 +136,22 @@ class TrainingMonitor(L.Callback):
         self._window_start = time.perf_counter()
         self._window_tokens = self._window_steps = 0
 
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Counts the steps since the last log into the run's totals (not logged), so that :meth:`summary` covers
+        the whole run, a run shorter than ``log_every_n_steps`` too."""
+        if self._window_start is None or not self._window_steps:
+            return
+        self._sync(pl_module)
+        elapsed = time.perf_counter() - self._window_start
+        self._run_tokens += self._window_tokens
+        self._run_seconds += elapsed
+        self._run_steps += self._window_steps
+        self._run_flops += flops_per_token(pl_module, self._seq_len) * self._window_tokens
+        self._run_peak = peak_flops(pl_module.device, _precision_dtype(trainer))
+        self._window_start = None
+        self._window_tokens = self._window_steps = 0
+
     def compute(self, trainer: L.Trainer, pl_module: L.LightningModule, elapsed: float) -> dict[str, float]:
         """Throughput and memory over the current window of ``elapsed`` seconds."""
         tokens_per_sec = self._window_tokens / max(elapsed, 1e-9)
@@ -159,9 +175,9 @@ class TrainingMonitor(L.Callback):
 
 
     def summary(self) -> dict[str, float]:
-        """Throughput over every logged window of the run so far (the steps after ``skip_first_steps`` up to the last
-        log): ``steps``, ``tokens_per_sec_per_device``, ``tflops_per_device`` and, on GPUs, ``mfu``. Empty before
-        the first log."""
+        """Throughput over the timed steps of the run so far (those after ``skip_first_steps``, up to the last log
+        during training, all of them once training ended): ``steps``, ``tokens_per_sec_per_device``,
+        ``tflops_per_device`` and, on GPUs, ``mfu``. Empty before any timed step was counted."""
         if not self._run_steps or self._run_seconds <= 0:
             return {}
         out = {

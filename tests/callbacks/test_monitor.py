@@ -34,12 +34,13 @@ def test_monitor_logs_consistent_throughput(tmp_path):
     assert "perf/mfu" not in m  # no peak FLOP/s on a CPU
     assert m["memory/max_rss_gib"] > 0
     assert trainer.callback_metrics["train/grad_norm"].item() > 0
-    # the run's summary (llmopt fit prints it): 5 steps timed in three windows (1 + 2 + 2: skip 1, logs at 2, 4, 6)
+    # the run's summary (llmopt fit prints it): 6 steps timed, three logged windows (1 + 2 + 2: skip 1, logs at 2, 4,
+    # 6) and the step after the last log, counted when training ended
     s = monitor.summary()
-    assert s["steps"] == 5 and "mfu" not in s
+    assert s["steps"] == 6 and "mfu" not in s
     assert s["tflops_per_device"] == pytest.approx(module.model.flops_per_token(32) * s["tokens_per_sec_per_device"]
                                                    / 1e12)
-    assert monitor.summary_line().startswith("throughput: ") and "(5 steps timed)" in monitor.summary_line()
+    assert monitor.summary_line().startswith("throughput: ") and "(6 steps timed)" in monitor.summary_line()
     assert TrainingMonitor().summary() == {} and TrainingMonitor().summary_line() == ""
 
 
