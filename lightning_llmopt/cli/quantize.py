@@ -2,7 +2,7 @@
 
     llmopt quantize SRC OUT [--method rtn|gptq] [--bits 4] [--group-size 128] [--asym] [--observer minmax]
         [--act-order] [--damp 0.01] [--format compressed-tensors|gptq] [--data PATH] [--tokenizer byte|PATH]
-        [--calib-samples 128] [--seq-len 512] [--dtype fp16|bf16|fp32] [--device cpu|cuda] [--offload]
+        [--calib-samples 128] [--seq-len 512 or max_seq_len] [--dtype fp16|bf16|fp32] [--device cpu|cuda] [--offload]
 
 ``SRC`` is a Hugging Face folder (Llama, Mistral, Qwen2; read without transformers) or a Lightning checkpoint
 (``.ckpt``) of :class:`~lightning_llmopt.CausalLMModule`, e.g. the end of a run with the
@@ -153,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     options.add_tokenizer(p)
     p.add_argument("--calib-samples", type=int, default=128, help="GPTQ: calibration sequences")
-    p.add_argument("--seq-len", type=int, default=512, help="GPTQ: tokens per calibration sequence")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="GPTQ: tokens per calibration sequence (default: 512, or the model's max_seq_len where shorter)",
+    )
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -213,6 +218,15 @@ def _calibration_spec(tokenizer: Any) -> str | None:
     return str(path) if path is not None else None
 
 
+def _calibration_length(asked: int | None, max_seq_len: int) -> int:
+    """``--seq-len``, or without it 512 tokens cut to the model's context; a longer ``--seq-len`` is refused."""
+    if asked is None:
+        return min(512, max_seq_len)
+    if asked <= 0 or asked > max_seq_len:
+        raise ValueError(f"--seq-len ({asked}) must be between 1 and the model's max_seq_len ({max_seq_len})")
+    return asked
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
     """Entry point of ``llmopt quantize``; returns the output folder.
 
@@ -244,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         tokenizer = load_tokenizer(args.tokenizer)
     calibration: Any = None
     if args.method == "gptq":
+        args.seq_len = _calibration_length(args.seq_len, model.config.max_seq_len)
         source = args.data or "the Python standard library (fallback: pass --data with text like the model's use)"
         print(f"[quantize] calibration text: {source}", file=sys.stderr, flush=True)
         calibration = calibration_batches(

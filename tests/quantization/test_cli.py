@@ -151,3 +151,13 @@ def test_group_size_check_names_a_group_size_dividing_every_width() -> None:
     quantize_cli.check_group_sizes(model, QuantConfig(group_size=64))  # passes, and the layers quantize with it
     report = quantize_model(model, QuantConfig(group_size=64))
     assert len(report.layers) == 14 and set(report.layers.values()) == {"int4-g64-sym"}
+
+
+def test_calibration_length_follows_the_model_context() -> None:
+    from lightning_llmopt.cli.quantize import _calibration_length
+
+    assert _calibration_length(None, 4096) == 512  # the default
+    assert _calibration_length(None, 128) == 128  # a shorter model: its whole context, not an error
+    assert _calibration_length(64, 128) == 64
+    with pytest.raises(ValueError, match=r"--seq-len \(512\) must be between 1 and the model's max_seq_len \(128\)"):
+        _calibration_length(512, 128)
