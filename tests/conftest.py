@@ -127,15 +127,23 @@ def dist_pool() -> Iterator[Callable[..., DistributedPool]]:
     close_all_pools()
 
 
+# what launchers export; Lightning sets several of them in this process when a test runs a Trainer in it
+_LAUNCH_VARS = ("MASTER_PORT", "MASTER_ADDR", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                "GROUP_RANK", "LLMOPT_RUN_DIR")
+
+
 @pytest.fixture(autouse=True)
-def _fresh_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts without ``MASTER_PORT``.
+def _fresh_launch_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts without launcher variables (``MASTER_PORT``, ``LOCAL_RANK``, ...).
 
     Lightning's single-process strategies set ``MASTER_PORT`` in this process on first use and reuse it; a worker
     pool created afterwards can be handed that very port by the OS for its store (the earlier process group has let
     it go), and the next Trainer test then fails with EADDRINUSE. Without the variable Lightning picks a free port.
+    A ``LOCAL_RANK`` left behind makes a child ``llmopt fit`` on 2 devices believe a launcher started it: it waits
+    for a rank 1 that nobody starts.
     """
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture

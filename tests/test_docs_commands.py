@@ -105,7 +105,9 @@ def workdir(tmp_path: Path) -> Path:
 
 
 def _run_all(doc: Path, cwd: Path) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "LLMOPT_RUN_DIR"))}
+    launch = ("MASTER_", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "WANDB_",
+              "LLMOPT_RUN_DIR")  # a fit on 2 devices must launch its own rank 1, not wait for a stale launcher's
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launch)}
     env.update(WANDB_SILENT="true", WANDB_MODE="offline", PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]))
     skipped = []
     for command in shell_commands(doc):
