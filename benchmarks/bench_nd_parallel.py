@@ -54,21 +54,22 @@ import records  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATASHEET_BF16_TFLOPS = 989.0
 _VARIANT = re.compile(
-    r"^(?:(?P<ours>tp|cp|ep)(?P<d>\d+)(?P<ulysses>-ulysses)?|(?P<peer>lightning-tp|torch-cp)"
+    r"^(?:(?P<ours>tp|cp|ep|pp)(?P<d>\d+)(?P<ulysses>-ulysses)?|(?P<peer>lightning-tp|torch-cp)"
     r"(?P<pd>\d+)|(?P<dp>dp))$"
 )
 _GIB = 2**30
 
 
 def parse_variant(name: str) -> dict[str, Any]:
-    """``{"kind": "ours"|"lightning-tp"|"torch-cp", "tp": int, "cp": int, "ep": int, "mode": "ring"|"ulysses"}``."""
+    """``{"kind": "ours"|"lightning-tp"|"torch-cp", "tp": int, "cp": int, "ep": int, "pp": int,
+    "mode": "ring"|"ulysses"}``."""
     m = _VARIANT.match(name)
     if m is None or (m["ulysses"] and m["ours"] != "cp"):
         raise SystemExit(
-            f"unknown variant {name!r}: tp<d>, cp<d>, cp<d>-ulysses, ep<d>, dp, lightning-tp<d>, torch-cp<d>"
+            f"unknown variant {name!r}: tp<d>, cp<d>, cp<d>-ulysses, ep<d>, pp<d>, dp, lightning-tp<d>, torch-cp<d>"
         )
     if m["dp"]:
-        return {"kind": "ours", "tp": 1, "cp": 1, "ep": 1, "mode": "ring"}
+        return {"kind": "ours", "tp": 1, "cp": 1, "ep": 1, "pp": 1, "mode": "ring"}
     if m["ours"]:
         d = int(m["d"])
         return {
@@ -76,6 +77,7 @@ def parse_variant(name: str) -> dict[str, Any]:
             "tp": d if m["ours"] == "tp" else 1,
             "cp": d if m["ours"] == "cp" else 1,
             "ep": d if m["ours"] == "ep" else 1,
+            "pp": d if m["ours"] == "pp" else 1,
             "mode": "ulysses" if m["ulysses"] else "ring",
         }
     d = int(m["pd"])
@@ -84,6 +86,7 @@ def parse_variant(name: str) -> dict[str, Any]:
         "tp": d if m["peer"] == "lightning-tp" else 1,
         "cp": d if m["peer"] == "torch-cp" else 1,
         "ep": 1,
+        "pp": 1,
         "mode": "ring",
     }
 
@@ -267,11 +270,12 @@ def _build(args: argparse.Namespace, world: int, spec: dict[str, Any]) -> tuple[
             context_parallel=spec["cp"],
             context_parallel_mode=spec["mode"],
             expert_parallel=spec["ep"],
-            zero_stage=3,
+            pipeline_parallel=spec["pp"],
+            zero_stage=_zero_stage(args, spec),
             activation_checkpointing=args.activation_checkpointing,
             compile=args.compile,
         )
-        return strategy, CausalLMModule(args.preset, **kwargs), world // (spec["tp"] * spec["cp"])
+        return strategy, CausalLMModule(args.preset, **kwargs), world // (spec["tp"] * spec["cp"] * spec["pp"])
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     d = spec["tp"] * spec["cp"]
@@ -281,6 +285,13 @@ def _build(args: argparse.Namespace, world: int, spec: dict[str, Any]) -> tuple[
     if args.activation_checkpointing != "none":
         raise SystemExit("peers run without activation checkpointing (--activation-checkpointing none)")
     return strategy, cls(args.preset, **kwargs), world // d
+
+
+def _zero_stage(args: argparse.Namespace, spec: dict[str, Any]) -> int | None:
+    """``--zero-stage``, else 3 (the records so far), else for pipelines the strategy's own default (``None``)."""
+    if args.zero_stage is not None:
+        return int(args.zero_stage)
+    return None if spec["pp"] > 1 else 3
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -351,6 +362,9 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "variant": args.strategy,
         "tp": spec["tp"],
         "cp": spec["cp"],
+        "pp": spec["pp"],
+        "zero_stage": strategy.nd_config.zero_stage if spec["kind"] == "ours" else None,
+        "activation_checkpointing": args.activation_checkpointing,
         "dp": dp,
         "seq_len": args.seq_len,
         "median_step_ms": step * 1e3,
@@ -392,6 +406,8 @@ def _worker_args(args: argparse.Namespace, variant: str, seq_len: int, json_out:
         "--model-overrides",
         args.model_overrides,
     ]
+    if args.zero_stage is not None:
+        out += ["--zero-stage", str(args.zero_stage)]
     if args.layers:
         out += ["--layers", str(args.layers)]
     if args.compile:
@@ -639,6 +655,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--activation-checkpointing", default=None, help="ours: default none (full with --longest)")
     parser.add_argument("--compile", action="store_true", help="ours: torch.compile each block")
+    parser.add_argument(
+        "--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+        help="ours: NDParallelStrategy zero_stage over the data-parallel group (default: the strategy's own choice "
+        "for pp variants, 3 otherwise)",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="print rank 0's top operators over 2 steps into each launch's log"
     )

@@ -74,10 +74,12 @@ def launch(
     log_path: Path,
     timeout: float,
     extra: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``torchrun --standalone --nproc-per-node=nproc script *worker_args(json_out)``; returns the row it wrote, or
     ``{"variant", "error", "oom", **extra}``. Output goes to ``log_path`` and to stdout with a ``[variant]`` prefix;
-    after ``timeout`` seconds the whole process group is terminated."""
+    after ``timeout`` seconds the whole process group is terminated. ``env`` adds variables to the launch's
+    environment (e.g. ``CUDA_VISIBLE_DEVICES`` for launches that share a host side by side)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"llmopt-{variant}-"))
     out = tmp / "row.json"
     cmd = [
@@ -95,7 +97,7 @@ def launch(
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             cmd,
-            env=child_env(nproc),
+            env={**child_env(nproc), **(env or {})},
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
