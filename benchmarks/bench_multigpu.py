@@ -100,6 +100,8 @@ def jobs_for(family: str, a: argparse.Namespace, ngpu: int) -> list[Job]:
                 for v in ("zero3", "zero2", "zero1", "ddp", "fsdp-hf-liger"):
                     out.append(_zero_job(family, v, n, preset, seq, mb, a))
             out.append(_zero_job(family, "single", 1, preset, seq, mb, a))
+            if ngpu == 1:  # the one-GPU check: the peer's code path beside ours
+                out.append(_zero_job(family, "fsdp-hf-liger", 1, preset, seq, mb, a))
     elif family == "nd":
         long = 128 if a.smoke else 8192
         out += [_nd_job(family, "tp2", 2, preset, seq, 8, a), _nd_job(family, "pp2", 2, preset, seq, 8, a),
@@ -108,15 +110,22 @@ def jobs_for(family: str, a: argparse.Namespace, ngpu: int) -> list[Job]:
     elif family == "8b":
         p8, s8 = ("tiny", 128) if a.smoke else ("llama3-8b", 8192)
         n = min(4, ngpu)
-        out += [_nd_job(family, "dp", n, p8, s8, n, a, zero=3, label="zero3"),
-                _zero_job(family, "fsdp-hf-liger", n, p8, s8, 1, a),
+        cut = ["--layers", str(a.layers_8b)] if a.layers_8b else []
+        jobs = [_nd_job(family, "dp", n, p8, s8, n, a, zero=3, label="zero3"),
+                _zero_job(family, "fsdp-hf-liger", n, p8, s8, 1, a, extra=cut),
                 _nd_job(family, "dp", n, p8, s8, n, a, zero=2, label="zero2"),
                 _nd_job(family, "dp", n, p8, s8, n, a, zero=3, ac="full", label="zero3-ac")]
+        for job in jobs:
+            if job.script.name == "bench_nd_parallel.py":
+                job.args += cut
+            job.facts["layers"] = a.layers_8b
+        out += jobs
         if a.titan_site or a.smoke:
             args = ["--seq-len", str(s8), "--micro-batch", "1", "--steps", str(a.steps),
-                    "--warmup-steps", str(a.warmup_steps), *(["--smoke"] if a.smoke else [])]
+                    "--warmup-steps", str(a.warmup_steps), *cut, *(["--smoke"] if a.smoke else [])]
             job = Job(family, f"torchtitan x{n} mb1 s{s8}", BENCH / "peer_torchtitan.py", args, n,
-                      {"strategy": "torchtitan", "world": n, "micro_batch": 1, "seq_len": s8, "preset": p8})
+                      {"strategy": "torchtitan", "world": n, "micro_batch": 1, "seq_len": s8, "preset": p8,
+                       "layers": a.layers_8b})
             if a.titan_site:
                 job.env["PYTHONPATH"] = os.pathsep.join([a.titan_site, str(launch.REPO_ROOT),
                                                          os.environ.get("PYTHONPATH", "")])
@@ -182,14 +191,15 @@ def run_packed(jobs: list[Job], ngpu: int, log_dir: Path, timeout: float, on_don
 # --------------------------------------------------------------------------- records
 
 
-def _flops_per_token(preset: str, seq: int) -> float:
+def _flops_per_token(preset: str, seq: int, layers: int | None = None) -> float:
     import torch
 
     from lightning_llmopt.models import LlamaConfig
     from lightning_llmopt.models.llama import Llama
 
     base = LlamaConfig.from_preset(preset)
-    config = LlamaConfig.from_preset(preset, **({"max_seq_len": seq} if base.max_seq_len < seq else {}))
+    over: dict[str, Any] = {"max_seq_len": seq} if base.max_seq_len < seq else {}
+    config = LlamaConfig.from_preset(preset, **over, **({"n_layers": layers} if layers else {}))
     with torch.device("meta"):
         return float(Llama(config).flops_per_token(seq))
 
@@ -199,7 +209,7 @@ def _row(job: Job) -> dict[str, Any]:
     if isinstance(row.get("tokens_per_s"), (int, float)):
         per_gpu = row["tokens_per_s"] / job.facts["world"]
         row["tokens_per_s_per_gpu"] = per_gpu
-        fpt = _flops_per_token(job.facts["preset"], job.facts["seq_len"])
+        fpt = _flops_per_token(job.facts["preset"], job.facts["seq_len"], job.facts.get("layers"))
         row["model_tflops_per_gpu"] = per_gpu * fpt / 1e12
         row["mfu_vs_989"] = per_gpu * fpt / (DATASHEET_BF16_TFLOPS * 1e12)
     return row
@@ -268,7 +278,9 @@ def build_record(family: str, jobs: list[Job], a: argparse.Namespace, ngpu: int)
     for r in rows:
         if "error" in r:
             notes.append(f"{r['variant']} failed: {r['error']}")
-    name = {"dp": "multigpu-1b", "nd": "multigpu-nd-1b", "8b": f"multigpu-llama3-8b-{min(4, ngpu)}gpu"}[family]
+    cut = f"-{a.layers_8b}l" if a.layers_8b else ""
+    name = {"dp": f"multigpu-1b{'-1gpu' if ngpu == 1 else ''}", "nd": "multigpu-nd-1b",
+            "8b": f"multigpu-llama3-8b{cut}-{min(4, ngpu)}gpu"}[family]
     config = {"family": family, "gpus": ngpu, "precision": "bf16-mixed", "warmup_steps": a.warmup_steps,
               "steps": a.steps, "data": "random tokens (fixed seed)", "fused_kernels": "module default (on CUDA)",
               "command": f"python benchmarks/bench_multigpu.py --family {family}"}
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="seconds per launch (default 240)")
     parser.add_argument("--only", nargs="+", default=None, help="run only jobs whose name starts with one of these")
     parser.add_argument("--deadline", type=float, default=None, help="seconds from start after which no launch runs")
+    parser.add_argument("--layers-8b", type=int, default=None, help="8b family: cut llama3-8b to this many layers")
     parser.add_argument("--titan-site", default=None, help="folder holding torchtitan and its wheels' packages")
     parser.add_argument("--results-dir", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None)
@@ -303,8 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     ngpu = 2 if a.smoke else torch.cuda.device_count()
-    if not a.smoke and ngpu < 2:
-        raise SystemExit(f"bench_multigpu needs at least 2 CUDA GPUs (found {ngpu}); --smoke checks it on CPU")
+    if not a.smoke and ngpu < 1:
+        raise SystemExit("bench_multigpu needs CUDA GPUs (found none); --smoke checks it on CPU")
+    if ngpu == 1:
+        print("one GPU: a check of the code paths (dp: single and the peer; 8b: one GPU, cut with --layers-8b)")
     results_dir = a.results_dir or (Path(tempfile.mkdtemp(prefix="llmopt-mg-")) if a.smoke
                                     else launch.REPO_ROOT / "benchmarks" / "results")
     log_dir = a.log_dir or Path(tempfile.mkdtemp(prefix="llmopt-mg-logs-"))

@@ -369,10 +369,16 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+LAYERS: list[int] = []  # --layers: the preset's layer count cut (or raised) to this, for every variant
+
+
 def _overrides(preset: str, seq_len: int) -> dict[str, Any]:
     from lightning_llmopt.models import LlamaConfig
 
-    return {"max_seq_len": seq_len} if LlamaConfig.from_preset(preset).max_seq_len < seq_len else {}
+    out: dict[str, Any] = {"max_seq_len": seq_len} if LlamaConfig.from_preset(preset).max_seq_len < seq_len else {}
+    if LAYERS:
+        out["n_layers"] = LAYERS[0]
+    return out
 
 
 # --------------------------------------------------------------------------- driver (one launch per variant)
@@ -389,6 +395,7 @@ def run_variant(args: argparse.Namespace, variant: str, nproc: int, log_dir: Pat
                 variant,
                 "--preset",
                 args.preset,
+                *(["--layers", str(args.layers)] if args.layers else []),
                 "--seq-len",
                 str(args.seq_len),
                 "--micro-batch",
@@ -630,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"default: {' '.join(VARIANTS)}; on request: single (1 GPU, launched alone), {' '.join(HF_PEERS)}",
     )
     parser.add_argument("--preset", default=None, help="model preset (default 1b; tiny with --smoke)")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 4096; 64 with --smoke)")
     parser.add_argument("--micro-batch", type=int, default=None, help="rows per GPU per step (default 4; 2 w/ smoke)")
     parser.add_argument("--precision", default=None, help="default bf16-mixed (also with --smoke)")
@@ -671,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     ZERO_KWARGS.update(json.loads(args.zero_kwargs))
+    if args.layers:
+        LAYERS[:] = [args.layers]
     smoke = args.smoke
     args.preset = args.preset or ("tiny" if smoke else "1b")
     args.seq_len = args.seq_len or (64 if smoke else 4096)
@@ -731,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
             row["zero_kwargs"] = dict(ZERO_KWARGS)
         rows[variant] = row
 
-    name = f"zero-{args.preset}-{nproc}{'gpu' if cuda else 'cpu'}"
+    name = f"zero-{args.preset}{f'-{args.layers}l' if args.layers else ''}-{nproc}{'gpu' if cuda else 'cpu'}"
     previous = records.record_path({"name": name, "env": records.environment()}, results_dir)
     merged = _merge_previous(rows, previous) if args.merge else []
     variants = [v for v in ALL_VARIANTS if v in rows]
