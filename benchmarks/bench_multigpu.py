@@ -48,7 +48,7 @@ GOAL_SCALING = 0.9
 GOAL_VS_PEER_1B = 1.25
 GOAL_VS_PEER_8B = 1.3
 GOAL_MFU_8B = 0.50
-PEERS = ("fsdp-hf-liger", "torchtitan")
+PEERS = ("fsdp-hf-liger", "torchtitan", "torchtitan-compile")
 
 
 @dataclass
@@ -121,15 +121,18 @@ def jobs_for(family: str, a: argparse.Namespace, ngpu: int) -> list[Job]:
             job.facts["layers"] = a.layers_8b
         out += jobs
         if a.titan_site or a.smoke:
-            args = ["--seq-len", str(s8), "--micro-batch", "1", "--steps", str(a.steps),
-                    "--warmup-steps", str(a.warmup_steps), *cut, *(["--smoke"] if a.smoke else [])]
-            job = Job(family, f"torchtitan x{n} mb1 s{s8}", BENCH / "peer_torchtitan.py", args, n,
-                      {"strategy": "torchtitan", "world": n, "micro_batch": 1, "seq_len": s8, "preset": p8,
-                       "layers": a.layers_8b})
-            if a.titan_site:
-                job.env["PYTHONPATH"] = os.pathsep.join([a.titan_site, str(launch.REPO_ROOT),
-                                                         os.environ.get("PYTHONPATH", "")])
-            out.append(job)
+            for compiled in (False, True):  # its config as published (compile off), and with its compile on
+                strategy = "torchtitan-compile" if compiled else "torchtitan"
+                args = ["--seq-len", str(s8), "--micro-batch", "1", "--steps", str(a.steps),
+                        "--warmup-steps", str(a.warmup_steps), *cut, *(["--smoke"] if a.smoke else []),
+                        *(["--compile"] if compiled and not a.smoke else [])]
+                job = Job(family, f"{strategy} x{n} mb1 s{s8}", BENCH / "peer_torchtitan.py", args, n,
+                          {"strategy": strategy, "world": n, "micro_batch": 1, "seq_len": s8, "preset": p8,
+                           "layers": a.layers_8b})
+                if a.titan_site:
+                    job.env["PYTHONPATH"] = os.pathsep.join([a.titan_site, str(launch.REPO_ROOT),
+                                                             os.environ.get("PYTHONPATH", "")])
+                out.append(job)
     else:
         raise SystemExit(f"unknown family {family!r}: dp, nd, 8b")
     return out
@@ -252,11 +255,12 @@ def build_record(family: str, jobs: list[Job], a: argparse.Namespace, ngpu: int)
             r["memory_vs_fsdp_hf_liger"] = _ratio(r, peer, "peak_allocated_gib")
             ratios.append({"variant": r["variant"], "peer": "fsdp-hf-liger", "metric": "tokens_per_s",
                            "ratio": r["vs_fsdp_hf_liger"], "world": r["world"], "micro_batch": r["micro_batch"]})
-        titan = find(peers, strategy="torchtitan", world=r["world"])
-        if titan is not None:
-            r["vs_torchtitan"] = _ratio(r, titan, "tokens_per_s")
-            ratios.append({"variant": r["variant"], "peer": "torchtitan", "metric": "tokens_per_s",
-                           "ratio": r["vs_torchtitan"], "world": r["world"]})
+        for name in ("torchtitan", "torchtitan-compile"):
+            titan = find(peers, strategy=name, world=r["world"])
+            if titan is not None:
+                r[f"vs_{name.replace('-', '_')}"] = _ratio(r, titan, "tokens_per_s")
+                ratios.append({"variant": r["variant"], "peer": name, "metric": "tokens_per_s",
+                               "ratio": r[f"vs_{name.replace('-', '_')}"], "world": r["world"]})
     if family == "dp":
         for r in ours:
             if r["world"] > 1 and "error" not in r:
@@ -274,7 +278,8 @@ def build_record(family: str, jobs: list[Job], a: argparse.Namespace, ngpu: int)
             notes.append(f"{r['variant']}: MFU {_fmt(mfu)} (goal >= {GOAL_MFU_8B}: "
                          f"{_verdict(None if mfu is None else mfu >= GOAL_MFU_8B)}); {_fmt(p)}x fsdp-hf-liger "
                          f"(goal >= {GOAL_VS_PEER_8B}: {_verdict(None if p is None else p >= GOAL_VS_PEER_8B)}); "
-                         f"{_fmt(r.get('vs_torchtitan'))}x torchtitan")
+                         f"{_fmt(r.get('vs_torchtitan'))}x torchtitan, "
+                         f"{_fmt(r.get('vs_torchtitan_compile'))}x torchtitan with its compile on")
     for r in rows:
         if "error" in r:
             notes.append(f"{r['variant']} failed: {r['error']}")

@@ -5,6 +5,8 @@
 #          torchtitan (its wheels from .whl_titan/, when that folder is there)
 #   dp     1b, sequence 2048, micro-batch 8 and 4: single, ddp, zero1/2/3, FSDP + transformers + Liger, 2 and 4 GPUs
 #   nd     1b tp2, pp2, cp2 (sequence 8192) beside one GPU
+#   refs   the parity tests' one-GPU references alone (bf16 and fp32; the code path on a one-GPU machine)
+# $MG_ARGS goes to every bench_multigpu.py call (e.g. "--micro-batches 8 --layers-8b 8" on one GPU).
 # A step may carry its time budget in seconds (`8b:300`): no launch of it starts or runs past that. Records are
 # written into $OUT/results as each launch ends and logs are archived after each step, so a call cut short keeps
 # what ran. Liger-Kernel travels as a wheel in .whl/, torchtitan and its needs in .whl_titan/.
@@ -45,8 +47,15 @@ for arg in "$@"; do
       pkill -f _multigpu_job.py 2>/dev/null; sleep 2  # a launch the time limit cut short
       cp /tmp/pytest-of-*/pytest-*/multigpu*/*.log /tmp/pytest-of-*/pytest-*/multigpu*/*.json "$LOGS/" 2>/dev/null
       ;;
+    refs)
+      layouts='[["llama-bf16",{"single":true},"llama"],["moe-bf16",{"single":true},"moe"]]'
+      timeout -k 10 "$budget" python3 tests/strategies/_multigpu_job.py --layouts "$layouts" \
+        --out "$RESULTS/multigpu-refs-bf16.json" 2>&1 | tee "$LOGS/refs-bf16.log" || status=1
+      timeout -k 10 "$budget" python3 tests/strategies/_multigpu_job.py --layouts "${layouts//bf16/fp32}" \
+        --precision 32-true --out "$RESULTS/multigpu-refs-fp32.json" 2>&1 | tee "$LOGS/refs-fp32.log" || status=1 ;;
     8b | dp | nd)
-      python3 benchmarks/bench_multigpu.py --family "$step" "${TITAN[@]}" --results-dir "$RESULTS" \
+      # shellcheck disable=SC2086  # MG_ARGS is a list of flags
+      python3 benchmarks/bench_multigpu.py --family "$step" "${TITAN[@]}" ${MG_ARGS:-} --results-dir "$RESULTS" \
         --log-dir "$LOGS" --deadline "$budget" 2>&1 | tee "$LOGS/bench-$step.log" || status=1 ;;
     *) echo "unknown step $step (tests, 8b, dp, nd)" >&2; status=1 ;;
   esac
