@@ -228,8 +228,8 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def build_record(family: str, jobs: list[Job], a: argparse.Namespace, ngpu: int) -> dict[str, Any]:
-    rows = [_row(j) for j in jobs if j.row is not None]
+def build_record(family: str, rows: list[dict[str, Any]], a: argparse.Namespace, ngpu: int) -> dict[str, Any]:
+    """The family's record from its rows (``_row`` of each launch that ended): ratios, goals and notes."""
     ours = [r for r in rows if r["strategy"] not in PEERS]
     peers = [r for r in rows if r["strategy"] in PEERS]
     notes: list[str] = [
@@ -242,11 +242,11 @@ def build_record(family: str, jobs: list[Job], a: argparse.Namespace, ngpu: int)
         return next((r for r in rs if all(r.get(k) == v for k, v in kw.items()) and "error" not in r), None)
 
     for r in ours:
-        if r["world"] == 1 or "error" in r:
+        if r["strategy"] == "single" and ngpu > 1 or "error" in r:
             continue
         # per-GPU tokens/s against one GPU with the same rows per step (nd: rows per data-parallel group)
         single = find(ours, strategy="single", micro_batch=r["micro_batch"], seq_len=r["seq_len"])
-        if single is not None:
+        if single is not None and r is not single:
             r["per_gpu_vs_single"] = _ratio(r, single, "tokens_per_s_per_gpu")
         peer = find(peers, strategy="fsdp-hf-liger", world=r["world"], micro_batch=r["micro_batch"]) or (
             find(peers, strategy="fsdp-hf-liger", world=r["world"]) if family == "8b" else None)
@@ -263,7 +263,7 @@ def build_record(family: str, jobs: list[Job], a: argparse.Namespace, ngpu: int)
                                "ratio": r[f"vs_{name.replace('-', '_')}"], "world": r["world"]})
     if family == "dp":
         for r in ours:
-            if r["world"] > 1 and "error" not in r:
+            if (r["world"] > 1 or ngpu == 1) and "error" not in r:
                 s, p, m = r.get("per_gpu_vs_single"), r.get("vs_fsdp_hf_liger"), r.get("memory_vs_fsdp_hf_liger")
                 ok_s = None if s is None else s >= GOAL_SCALING
                 ok_p = None if p is None or m is None else (p >= GOAL_VS_PEER_1B and m <= 1.0)
@@ -286,9 +286,9 @@ def build_record(family: str, jobs: list[Job], a: argparse.Namespace, ngpu: int)
     cut = f"-{a.layers_8b}l" if a.layers_8b else ""
     name = {"dp": f"multigpu-1b{'-1gpu' if ngpu == 1 else ''}", "nd": "multigpu-nd-1b",
             "8b": f"multigpu-llama3-8b{cut}-{min(4, ngpu)}gpu"}[family]
-    config = {"family": family, "gpus": ngpu, "precision": "bf16-mixed", "warmup_steps": a.warmup_steps,
-              "steps": a.steps, "data": "random tokens (fixed seed)", "fused_kernels": "module default (on CUDA)",
-              "command": f"python benchmarks/bench_multigpu.py --family {family}"}
+    config = {"family": family, "gpus": ngpu, "layers_8b": a.layers_8b, "precision": "bf16-mixed",
+              "warmup_steps": a.warmup_steps, "steps": a.steps, "data": "random tokens (fixed seed)",
+              "fused_kernels": "module default (on CUDA)", "command": getattr(a, "command", None)}
     record = records.make_record(name, config, ours, peers, benchmark="multigpu", ratio_metric=None,
                                  reference={"datasheet_bf16_tflops": DATASHEET_BF16_TFLOPS}, notes=notes)
     record["ratios"] = ratios
@@ -310,13 +310,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=None, help="seconds from start after which no launch runs")
     parser.add_argument("--layers-8b", type=int, default=None, help="8b family: cut llama3-8b to this many layers")
     parser.add_argument("--titan-site", default=None, help="folder holding torchtitan and its wheels' packages")
+    parser.add_argument("--rebuild", type=Path, nargs="+", default=None,
+                        help="recompute ratios, goals and notes of existing records from their rows (no launch)")
     parser.add_argument("--results-dir", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny presets, one launch at a time")
     a = parser.parse_args(argv)
+    a.command = "python benchmarks/bench_multigpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
     a.micro_batches = a.micro_batches or ([2] if a.smoke else [8, 4])
     a.warmup_steps = a.warmup_steps if a.warmup_steps is not None else (1 if a.smoke else 3)
     a.steps = a.steps if a.steps is not None else (2 if a.smoke else 8)
+    if a.rebuild:
+        for path in a.rebuild:
+            old = json.loads(path.read_text())
+            cfg = old["config"]
+            a.warmup_steps, a.steps = cfg["warmup_steps"], cfg["steps"]
+            a.layers_8b, a.command = cfg.get("layers_8b"), cfg.get("command")
+            record = build_record(cfg["family"], old["results"] + old["peers"], a, cfg["gpus"])
+            record["env"], record["date"] = old["env"], old["date"]
+            path.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+            print(f"rebuilt {path}")
+        return 0
     os.environ.update(launch.NVLS_OFF)
     import torch
 
@@ -341,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             tps = row.get("tokens_per_s")
             what = f"{tps:.0f} tok/s" if isinstance(tps, (int, float)) else row.get("error")
             print(f"[{family}] {job.name} on GPUs {job.gpus}: {what}", flush=True)
-            path = records.write_record(build_record(family, jobs, a, ngpu), results_dir)
+            rows = [_row(j) for j in jobs if j.row is not None]
+            path = records.write_record(build_record(family, rows, a, ngpu), results_dir)
             print(f"[{family}] record {path}", flush=True)
 
         run_packed(jobs, ngpu, log_dir, a.timeout or 240.0, done, a.smoke, deadline)
