@@ -5,6 +5,7 @@
 #          torchtitan (its wheels from .whl_titan/, when that folder is there)
 #   dp     1b, sequence 2048, micro-batch 8 and 4: single, ddp, zero1/2/3, FSDP + transformers + Liger, 2 and 4 GPUs
 #   nd     1b tp2, pp2, cp2 (sequence 8192) beside one GPU
+#   configs  `llmopt fit` with each 4-GPU example config unchanged but 40 steps (the figure its header states)
 #   refs   the parity tests' one-GPU references alone (bf16 and fp32; the code path on a one-GPU machine)
 # $MG_ARGS goes to every bench_multigpu.py call (e.g. "--micro-batches 8 --layers-8b 8" on one GPU).
 # A step may carry its time budget in seconds (`8b:300`): no launch of it starts or runs past that. Records are
@@ -53,11 +54,19 @@ for arg in "$@"; do
         --out "$RESULTS/multigpu-refs-bf16.json" 2>&1 | tee "$LOGS/refs-bf16.log" || status=1
       timeout -k 10 "$budget" python3 tests/strategies/_multigpu_job.py --layouts "${layouts//bf16/fp32}" \
         --precision 32-true --out "$RESULTS/multigpu-refs-fp32.json" 2>&1 | tee "$LOGS/refs-fp32.log" || status=1 ;;
+    configs)
+      for cfg in 1b_4gpu llama3-8b_4gpu; do
+        timeout -k 20 "$((budget / 2))" python3 -m lightning_llmopt.cli fit --config "examples/configs/$cfg.yaml" \
+          --trainer.max_steps 40 --trainer.default_root_dir "/tmp/runs/$cfg" 2>&1 | tee "$LOGS/config-$cfg.log" \
+          || status=1
+        { echo "== $cfg (40 steps)"; grep -E "^(throughput|steps|step [0-9]+:)|tokens/s" "$LOGS/config-$cfg.log"; } \
+          >>"$RESULTS/multigpu-configs.txt"
+      done ;;
     8b | dp | nd)
       # shellcheck disable=SC2086  # MG_ARGS is a list of flags
       python3 benchmarks/bench_multigpu.py --family "$step" "${TITAN[@]}" ${MG_ARGS:-} --results-dir "$RESULTS" \
         --log-dir "$LOGS" --deadline "$budget" 2>&1 | tee "$LOGS/bench-$step.log" || status=1 ;;
-    *) echo "unknown step $step (tests, 8b, dp, nd)" >&2; status=1 ;;
+    *) echo "unknown step $step (tests, 8b, dp, nd, configs, refs)" >&2; status=1 ;;
   esac
   echo "== step $step: $((SECONDS - start)) s" | tee -a "$LOGS/steps.log"
   save_logs
