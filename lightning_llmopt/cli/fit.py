@@ -12,6 +12,10 @@ A new ``fit`` whose folder already holds checkpoints moves to the next free ``<f
 ``--ckpt_path`` (resuming on purpose) keeps the folder. Every ``fit`` ends with a summary: steps, last train loss,
 validation loss (or that none ran), throughput and the checkpoint written.
 
+On the CPU accelerator the intra-op threads and data-loader workers are sized to the cores and to the processes on
+the node, and the choice printed once (:mod:`lightning_llmopt.cli.threads`); ``--num_threads N`` or
+``LLMOPT_NUM_THREADS=N`` override it.
+
 ``--model`` takes any ``LightningModule`` by import path (LightningCLI's subclass mode), e.g.
 ``llmopt fit --config tiny_cpu.yaml --model my_pkg.MyModule --model.init_args.lr 1e-3``: our strategies, callbacks,
 loggers and data module stay. Without it the model is :class:`CausalLMModule`, configured by ``--model.<arg>``.
@@ -25,7 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger
@@ -35,6 +41,7 @@ from typing_extensions import override
 
 import lightning_llmopt.strategies  # noqa: F401  (registers zero*, nd_parallel, ... for --trainer.strategy)
 from lightning_llmopt.callbacks.monitor import TrainingMonitor
+from lightning_llmopt.cli import threads
 from lightning_llmopt.data.datamodule import TextDataModule
 from lightning_llmopt.module import CausalLMModule
 
@@ -109,6 +116,13 @@ class LLMOptCLI(LightningCLI):
             help="run name: the W&B run's name and the run folder <default_root_dir>/<run_name> "
             "(default: the config file's stem, and the folder default_root_dir itself)",
         )
+        parser.add_argument(
+            "--num_threads",
+            type=int | None,
+            default=None,
+            help="on CPU: intra-op threads per process (default: the cores available / the processes on this node; "
+            "LLMOPT_NUM_THREADS=N does the same, 0 keeps torch's defaults)",
+        )
         # subclass mode (--model my_pkg.MyModule) with CausalLMModule as the default class: --model.<arg> and a
         # config's plain ``model:`` keys configure it as before
         parser.set_defaults({"model": {"class_path": f"{CausalLMModule.__module__}.{CausalLMModule.__name__}"}})
@@ -146,7 +160,25 @@ class LLMOptCLI(LightningCLI):
             configs = section.get("config") or []
             name = run_name or (Path(str(configs[-1])).stem if configs else "run")
             kwargs["logger"] = default_loggers(str(run_dir), name, section.get("wandb_project"), section.get("wandb"))
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        self._size_cpu_threads(trainer, section.get("num_threads"))
+        return trainer
+
+    def _size_cpu_threads(self, trainer: Trainer, num_threads: int | None) -> None:
+        """On the CPU accelerator: intra-op threads and data-loader workers for the processes this node runs
+        (:mod:`lightning_llmopt.cli.threads`), one line on rank zero. Ranks that a launcher starts without running
+        this command again (``ddp_spawn``) take the thread count from ``OMP_NUM_THREADS``."""
+        if not isinstance(trainer.accelerator, CPUAccelerator):
+            return
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE") or trainer.num_devices)
+        workers = getattr(self.datamodule, "num_workers", 0)
+        plan = threads.configure(processes, workers, num_threads)
+        if _is_rank_zero():
+            print(plan.describe(), file=sys.stderr, flush=True)
+        if plan.workers != workers:
+            self.datamodule.num_workers = plan.workers
+        if plan.threads is not None and not os.environ.get("OMP_NUM_THREADS"):
+            os.environ["OMP_NUM_THREADS"] = str(plan.threads)
 
     def after_fit(self) -> None:
         self._report(fit=True)
@@ -196,6 +228,7 @@ def run(args: list[str] | None) -> None:
     if os.getcwd() not in sys.path:  # --model my_pkg.MyModule finds a package in the working folder, as python -m
         sys.path.append(os.getcwd())
     inherited = os.environ.get(_RUN_DIR_ENV)
+    omp_threads, torch_threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
     try:
         LLMOptCLI(
             LightningModule,
@@ -205,8 +238,11 @@ def run(args: list[str] | None) -> None:
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"parser_mode": "omegaconf"} if RequirementCache("omegaconf") else None,
         )
-    finally:  # the choice outlives the run only in the processes started during it (a second run in-process chooses)
-        if inherited is None:
-            os.environ.pop(_RUN_DIR_ENV, None)
-        else:
-            os.environ[_RUN_DIR_ENV] = inherited
+    finally:  # the choices outlive the run only in the processes started during it (a second run in-process chooses)
+        for name, value in ((_RUN_DIR_ENV, inherited), ("OMP_NUM_THREADS", omp_threads)):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lightning_llmopt.cli import options
+from lightning_llmopt.cli import options, threads
 
 __all__ = ["build_parser", "main"]
 
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV cache of shared prefixes")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--trust-pickle", action="store_true", help="allow full unpickling of a Lightning .ckpt")
+    options.add_num_threads(p)
     p.add_argument("--quiet", action="store_true", help="no start-up progress lines on stderr")
     return p
 
@@ -97,6 +98,10 @@ def _load_engine(args: argparse.Namespace) -> Any:
     dtype = DTYPES[args.dtype] if args.dtype else None
     if (args.model is None) == (args.preset is None):
         raise SystemExit("pass exactly one of MODEL (a checkpoint path) and --preset NAME")
+    if device.type == "cpu":
+        plan = threads.configure(num_threads=getattr(args, "num_threads", None), flag="--num-threads")
+        if not quiet:
+            print(f"llmopt generate: {plan.describe()}", file=sys.stderr, flush=True)
     tokenizer = None
     startup.mark("random init" if args.preset is not None else "load weights")
     if args.preset is not None:
@@ -187,6 +192,17 @@ def main(argv: Sequence[str] | None = None) -> list[Any]:
         params = SamplingParams(**values)  # checked before the model is loaded
     except ValueError as exc:
         raise SystemExit(f"invalid sampling parameters: {exc}") from None
+    num_threads = torch.get_num_threads()
+    try:
+        return _generate(args, prompts, values, params)
+    finally:  # a caller in this process (a test, a notebook) keeps its own thread count
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
+
+
+def _generate(args: argparse.Namespace, prompts: list[Any], values: dict[str, Any], params: Any) -> list[Any]:
+    from lightning_llmopt.inference import SamplingParams
+
     engine = _load_engine(args)
     if engine.tokenizer is not None and not args.ignore_eos:  # every stop id of the tokenizer, not only eos_id
         stops = [*args.stop_token_id, *getattr(engine.tokenizer, "stop_ids", ())]

@@ -49,6 +49,10 @@ _SUMMARIES = {
     "serve": "serve a model over HTTP (OpenAI-style API)",
 }
 
+# Commands whose OpenMP threads wait passively on CPU (lightning_llmopt/cli/threads.py): training measured faster
+# beside a busy process; generate and serve are not among them (decoding a small model measured slower)
+_PASSIVE_WAIT = ("fit", "validate", "test", "predict")
+
 # Errors that mean bad input (a value, a path, a missing extra) rather than a bug: shown as one line.
 _USER_ERRORS = (ValueError, OSError, KeyError, NotImplementedError, ImportError)
 
@@ -103,6 +107,8 @@ def main(args: list[str] | None = None) -> None:
         print(usage())
         return
     command = argv[0] if argv[0] in _SUMMARIES else "fit"
+    # before torch loads OpenMP, which reads the variable once; a process that imported torch already keeps its policy
+    passive = command in _PASSIVE_WAIT and "torch" not in sys.modules and _prefer_passive_wait()
     try:
         _run(argv, None if args is None else argv)
     except _USER_ERRORS as exc:
@@ -110,6 +116,15 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"llmopt {command}: error: {_one_line(exc)}  (--debug shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        if passive:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+
+
+def _prefer_passive_wait() -> bool:
+    from lightning_llmopt.cli.threads import prefer_passive_wait
+
+    return prefer_passive_wait()
 
 
 def _run(argv: list[str], args: list[str] | None) -> None:

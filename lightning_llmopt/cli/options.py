@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["TOKENIZER_HELP", "DefaultsHelpFormatter", "add_tokenizer", "parser"]
+__all__ = ["TOKENIZER_HELP", "DefaultsHelpFormatter", "add_num_threads", "add_tokenizer", "parser"]
 
 TOKENIZER_HELP = (
     "'byte' or a tokenizer.json file (or the folder holding one); default: the model's own, i.e. the tokenizer "
@@ -40,3 +40,15 @@ def parser(prog: str, description: str, **kwargs: Any) -> argparse.ArgumentParse
 def add_tokenizer(p: argparse.ArgumentParser) -> None:
     """``--tokenizer``, with the same meaning and help in every command."""
     p.add_argument("--tokenizer", default=None, metavar="byte|PATH", help=TOKENIZER_HELP)
+
+
+def add_num_threads(p: argparse.ArgumentParser) -> None:
+    """``--num-threads`` of the engine commands: torch's intra-op threads on CPU (``lightning_llmopt.cli.threads``)."""
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="on CPU: torch's intra-op threads (default: the cores available; LLMOPT_NUM_THREADS=N does the same, "
+        "0 keeps torch's defaults)",
+    )

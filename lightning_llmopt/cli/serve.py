@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV cache of shared prefixes")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--trust-pickle", action="store_true", help="allow full unpickling of a Lightning .ckpt")
+    options.add_num_threads(p)
     p.add_argument("--no-tuning-cache", action="store_true", help="tune kernels afresh, keep nothing on disk")
     p.add_argument(
         "--tuning-cache-dir",
@@ -87,7 +88,7 @@ def build_engine(args: argparse.Namespace, startup: Any = None) -> Any:
     from lightning_llmopt.models import LlamaConfig
 
     startup = startup if startup is not None else StartupLog()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(args)
     dtype = DTYPES[args.dtype] if args.dtype else None
     tokenizer = None
     if args.preset is not None:
@@ -114,6 +115,12 @@ def build_engine(args: argparse.Namespace, startup: Any = None) -> Any:
     )
 
 
+def _device(args: argparse.Namespace) -> Any:
+    import torch
+
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``llmopt serve``: serves until interrupted (SIGINT/SIGTERM shut it down gracefully)."""
     args = build_parser().parse_args(argv)
@@ -127,6 +134,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"llmopt serve needs the serve extra: pip install 'lightning_llmopt[serve]' ({exc})") from None
     from lightning_llmopt.inference.startup import StartupLog
 
+    if _device(args).type == "cpu":  # here, on the main thread, before any thread of the server starts
+        from lightning_llmopt.cli import threads
+
+        plan = threads.configure(num_threads=args.num_threads, flag="--num-threads")
+        print(f"llmopt serve: {plan.describe()}", file=sys.stderr, flush=True)
     name = args.served_model_name or (Path(args.model).name if args.model else args.preset)
     startup = StartupLog(on_line=lambda line: print(f"llmopt serve: loading: {line}", file=sys.stderr, flush=True))
     uv: Any = None
