@@ -42,7 +42,7 @@ import records  # noqa: E402
 ROOT = records.REPO_ROOT
 CONFIGS = ROOT / "examples" / "configs"
 PATHS = Path(__file__).resolve().parent / "gpu_smoke_paths.py"
-SINGLE_GPU_CONFIGS = ("125m_gpu", "1b_gpu")
+SINGLE_GPU_CONFIGS = ("125m_gpu", "1b_gpu", "1b_gpu_fp8")
 RUN_START = [time.monotonic()]  # set again when a run starts: each path records its start offset from it
 MULTI_GPU_CONFIGS = ("1b_4gpu", "llama3-8b_4gpu")
 
@@ -76,8 +76,9 @@ def build_paths(device: str) -> list[SmokePath]:
     paths: list[SmokePath] = []
     for name in SINGLE_GPU_CONFIGS:  # unchanged, 20 steps; TrainingMonitor logs every 20 steps in these configs
         steps = "4" if cpu else "20"
+        emulate = ["--model.float8_emulate", "true"] if cpu and name.endswith("fp8") else []  # no FP8 on CPUs
         paths.append(SmokePath(f"fit:{name}", _llmopt("fit", "--config", str(CONFIGS / f"{name}.yaml"),
-                                                      "--trainer.max_steps", steps, *shrink),
+                                                      "--trainer.max_steps", steps, *shrink, *emulate),
                                limit=240, serial=True, detail_pattern=r"^throughput: .*"))
     for name in MULTI_GPU_CONFIGS:  # the strategy and its settings as configured, on one GPU, model cut to 2 layers
         steps = "3" if cpu else "10"

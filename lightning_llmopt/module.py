@@ -21,6 +21,7 @@ from lightning_llmopt.data.datamodule import data_parallel_position
 from lightning_llmopt.models import Llama, LlamaConfig
 from lightning_llmopt.models.config import FUSED_KERNELS, _check_fused_kernels
 from lightning_llmopt.models.moe import moe_aux_loss, update_balance_bias
+from lightning_llmopt.parallel.float8 import FLOAT8_RECIPES, apply_float8, check_float8_device, is_float8_linear
 from lightning_llmopt.parallel.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
@@ -61,6 +62,18 @@ class CausalLMModule(L.LightningModule):
             CUDA device (plain tensors or DTensors), the fastest measured path; ``True``/``False`` force it (torch
             also has a fused AdamW on the CPU). Gradient clipping works with both
             (:meth:`configure_gradient_clipping`).
+        float8: FP8 training of the linear layers on GPUs with FP8 tensor cores (compute capability 8.9+), with
+            the dynamic-scaling recipe named (:data:`~lightning_llmopt.parallel.float8.FLOAT8_RECIPES`:
+            ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``); ``None`` (default): the trainer's precision
+            everywhere. The LM head, MoE routers and layers whose widths are not multiples of 16 stay in high
+            precision; the log names what converted. Needs the ``fp8`` extra (torchao). Parameters, checkpoints and
+            the Hugging Face export are unchanged (:func:`~lightning_llmopt.parallel.float8.apply_float8`).
+        float8_emulate: emulate the FP8 GEMMs (same rounding and scales, high-precision GEMM) on any device: for
+            tests and CPU references. Without it, ``float8`` on a device without FP8 tensor cores raises.
+        compile: ``torch.compile`` each decoder block (after the kernels and FP8 steps, before a ZeRO strategy shards
+            them), which fuses FP8's scaling and casting into neighbouring kernels. For one device, DDP and the
+            ``zero*`` strategies; ``NDParallelStrategy`` compiles in its own plan (its ``compile`` argument), after
+            tensor parallelism, and refuses this one.
     """
 
     def __init__(
@@ -77,9 +90,14 @@ class CausalLMModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         fused_kernels: str | list[str] | None = "auto",
         fused_optimizer: bool | None = None,
+        float8: str | None = None,
+        float8_emulate: bool = False,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         _check_kernel_choice(fused_kernels)
+        if float8 is not None and float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"float8 ({float8!r}) must be None or one of {', '.join(FLOAT8_RECIPES)}")
         if pretrained is not None and isinstance(model, str):
             raise ValueError(f"pass one of model ({model!r}) and pretrained ({pretrained!r}), not both")
         if pretrained is not None and model is None:
@@ -126,6 +144,33 @@ class CausalLMModule(L.LightningModule):
             self.model = from_hf(self.hparams["pretrained"], dtype=torch.float32, device="cpu", config=self.config)
         elif self.model is None:
             self.model = Llama(self.config)
+        if self.hparams.get("float8") and not any(is_float8_linear(m) for m in self.model.modules()):
+            self._apply_float8()
+        if self.hparams.get("compile") and not getattr(self.model, "_llmopt_compiled", False):
+            self._compile_blocks()
+
+    def _compile_blocks(self) -> None:
+        """The compile step of the plan: each block's forward through ``torch.compile`` (``nn.Module.compile``)."""
+        assert self.model is not None
+        strategy = type(self.trainer.strategy).__name__ if self._trainer is not None else ""
+        if strategy == "NDParallelStrategy":
+            raise ValueError(
+                "CausalLMModule(compile=True) compiles before tensor parallelism; under NDParallelStrategy pass "
+                "compile=True to the strategy instead (it compiles after TP and CP)"
+            )
+        for block in self.model.layers.values():
+            block.compile()
+        self.model._llmopt_compiled = True
+        rank_zero_info(f"compile: {len(self.model.layers)} decoder blocks through torch.compile")
+
+    def _apply_float8(self) -> None:
+        """The FP8 step of the plan: after the model (and its fused kernels) is built, before the strategy's tensor
+        parallelism, compile and ZeRO-3 (torchao's order)."""
+        assert self.model is not None
+        emulate = bool(self.hparams.get("float8_emulate"))
+        check_float8_device(self._device_type() if not emulate else "cpu", emulate)
+        report = apply_float8(self.model, self.hparams["float8"], emulate=emulate)
+        rank_zero_info(report.describe())
 
     def _device_type(self) -> str:
         """The trainer's device type (``"cuda"``, ``"cpu"``...); without a trainer, CUDA if one is visible."""

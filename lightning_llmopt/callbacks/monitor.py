@@ -29,6 +29,35 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     return float(found) if found else None
 
 
+FP8_PEAK_RATIO = 2.0  # FP8 tensor cores (Ada, Hopper, Blackwell): twice the dense bf16 peak (H100/H200: 1,979 vs 989)
+
+
+def mixed_peak_flops(device: torch.device, dtype: torch.dtype, fp8_share: float = 0.0) -> float | None:
+    """The peak a step reaches if its FP8 share of the FLOPs runs at the FP8 peak (``FP8_PEAK_RATIO`` x the
+    ``dtype`` peak) and the rest at the ``dtype`` peak: ``P / (1 - s + s / 2)``, the time-weighted (harmonic) blend.
+    ``fp8_share`` 0 gives :func:`peak_flops`."""
+    peak = peak_flops(device, dtype)
+    if peak is None or fp8_share <= 0:
+        return peak
+    return peak / (1.0 - fp8_share + fp8_share / FP8_PEAK_RATIO)
+
+
+def fp8_flop_share(pl_module: L.LightningModule, seq_len: int) -> float:
+    """The share of the module's training FLOPs in FP8 linear layers (``float8``); 0 without them."""
+    model = getattr(pl_module, "model", None)
+    share = 0.0
+    if model is not None and getattr(pl_module, "hparams", {}).get("float8"):
+        from lightning_llmopt.parallel.float8 import float8_flop_share
+
+        share = float8_flop_share(model, flops_per_token(pl_module, seq_len))
+    return share
+
+
+def _step_peak(trainer: L.Trainer, pl_module: L.LightningModule, seq_len: int) -> float | None:
+    """The MFU denominator of this module's steps: FP8 linears (``float8``) count against the FP8 peak."""
+    return mixed_peak_flops(pl_module.device, _precision_dtype(trainer), fp8_flop_share(pl_module, seq_len))
+
+
 def _precision_dtype(trainer: L.Trainer) -> torch.dtype:
     precision = str(trainer.precision)
     if precision.startswith("bf16"):
@@ -77,6 +106,7 @@ class TrainingMonitor(L.Callback):
         self._run_steps = 0
         self._run_flops = 0.0
         self._run_peak: float | None = None
+        self._run_fp8_share = 0.0
 
     def _sync(self, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":
@@ -131,7 +161,8 @@ class TrainingMonitor(L.Callback):
         self._run_seconds += elapsed
         self._run_steps += self._window_steps
         self._run_flops += metrics["perf/tflops_per_device"] * 1e12 * elapsed
-        self._run_peak = peak_flops(pl_module.device, _precision_dtype(trainer))
+        self._run_peak = _step_peak(trainer, pl_module, self._seq_len)
+        self._run_fp8_share = fp8_flop_share(pl_module, self._seq_len)
         pl_module.log_dict(metrics, rank_zero_only=True)
         self._window_start = time.perf_counter()
         self._window_tokens = self._window_steps = 0
@@ -148,7 +179,8 @@ class TrainingMonitor(L.Callback):
         self._run_seconds += elapsed
         self._run_steps += self._window_steps
         self._run_flops += flops_per_token(pl_module, self._seq_len) * self._window_tokens
-        self._run_peak = peak_flops(pl_module.device, _precision_dtype(trainer))
+        self._run_peak = _step_peak(trainer, pl_module, self._seq_len)
+        self._run_fp8_share = fp8_flop_share(pl_module, self._seq_len)
         self._window_start = None
         self._window_tokens = self._window_steps = 0
 
@@ -162,7 +194,7 @@ class TrainingMonitor(L.Callback):
             "perf/step_time_s": elapsed / max(self._window_steps, 1),
             "perf/tflops_per_device": flops / 1e12,
         }
-        peak = peak_flops(pl_module.device, _precision_dtype(trainer))
+        peak = _step_peak(trainer, pl_module, self._seq_len)
         if peak:
             metrics["perf/mfu"] = flops / peak
         if pl_module.device.type == "cuda":
@@ -187,6 +219,8 @@ class TrainingMonitor(L.Callback):
         }
         if self._run_peak:
             out["mfu"] = self._run_flops / self._run_seconds / self._run_peak
+            if self._run_fp8_share:
+                out["fp8_flop_share"] = self._run_fp8_share
         return out
 
     def summary_line(self) -> str:
@@ -196,6 +230,9 @@ class TrainingMonitor(L.Callback):
         if not s:
             return ""
         mfu = f", {100 * s['mfu']:.1f}% MFU" if "mfu" in s else ""
+        if "fp8_flop_share" in s:  # how the MFU counted: the FP8 share against twice the peak
+            mfu += (f" ({100 * s['fp8_flop_share']:.0f}% of the FLOPs in FP8 linears, counted against "
+                    f"{FP8_PEAK_RATIO:g}x the dense bf16 peak)")
         tflops = s["tflops_per_device"]
         shown = f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}"  # a CPU run of a tiny model: 0.0031, not 0.0
         return (f"throughput: {s['tokens_per_sec_per_device']:,.0f} tokens/s per device, "

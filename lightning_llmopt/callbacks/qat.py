@@ -82,6 +82,13 @@ class QuantizationAwareTraining(L.Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        float8 = getattr(pl_module, "hparams", {}).get("float8")
+        if float8:  # FP8 layers are not plain nn.Linear: QAT would skip every one of them without a word
+            raise ValueError(
+                f"QuantizationAwareTraining fake-quantizes plain nn.Linear layers, and the module trains FP8 linear "
+                f"layers (float8={float8!r}). Train QAT in bf16 (float8=None), or quantize the FP8-trained checkpoint "
+                f"afterwards (llmopt quantize)"
+            )
         self.enabled = False  # the layers of a new fit are plain nn.Linear again unless prepared here
         self._maybe_enable(trainer, pl_module)
 

@@ -107,7 +107,7 @@ def run(config: dict[str, Any], init_path: str, backend: str | None = None) -> d
         overrides = dict(config.pop("overrides", {}))  # model_overrides of both sides (e.g. n_layers)
         if config.pop("fused", True):
             overrides["fused_kernels"] = ["all"]
-        config["module_kwargs"] = {"model_overrides": overrides}
+        config["module_kwargs"] = {"model_overrides": overrides, **config.pop("module", {})}  # e.g. float8
         if "zero" in config:
             recorder, trainer = fit_zero(config["zero"], init_path, [grads], config["module_kwargs"])
         elif config.get("hf"):

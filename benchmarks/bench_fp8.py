@@ -1,0 +1,298 @@
+"""FP8 training on one GPU (issue 54): tokens/s, MFU and peak memory of FP8 against our bf16 fast path, and the loss.
+
+``speed``: for each shape, each variant trains in its own process (``CausalLMModule`` as shipped: fused kernels,
+fused AdamW, gradient clipping 1.0; ``Trainer(precision="bf16-mixed", devices=1)``, random tokens):
+
+- ``bf16``: our bf16 fast path (eager), the baseline every ratio divides by; ``bf16-compile``: each block compiled;
+- ``tensorwise`` / ``rowwise``: ``CausalLMModule(float8=...)`` eager; ``...-compile``: each block compiled, which
+  fuses torchao's absolute-maximum and cast steps into neighbouring kernels (eager FP8 pays them as separate passes).
+
+Shapes: ``1b-2048`` (1b, sequence 2048, micro-batch 8), ``1b-4096`` (sequence 4096, micro-batch 4) and
+``8b-4l-8192`` (llama3-8b layer shapes: dim 4096, FFN 14336, GQA 32:8, 4 layers, sequence 8192, micro-batch 1).
+Per variant: median step time over the timed steps (``torch.cuda.synchronize`` at each step end), tokens/s, model
+TFLOP/s (causal attention counted as half), MFU against 989 TFLOP/s (``mfu_bf16_peak``) and against the FP8-aware
+peak the ``TrainingMonitor`` uses (``mfu``: the FP8 linears' share of the FLOPs at 1,979), peak memory. One record
+per shape, ``benchmarks/results/fp8-<shape>-<device>.json``, ratios against ``bf16`` of the same run.
+
+``loss``: the 1b preset on the default corpus (``TextDataModule``, byte tokenizer), ``--loss-steps`` steps (default
+1000) of sequence ``--loss-seq`` at micro-batch ``--loss-batch``, lr 3e-4, warm-up 100: bf16 (seed 1234), bf16 (seed
+4321), FP8 tensorwise and FP8 rowwise (seed 1234; their fastest variant from ``speed``: compiled). Every step's loss
+is recorded (``fp8-loss-1b-<device>.json``); the notes compare 50-step means of the FP8 curves after step 200 with
+the band the two bf16 seeds span. ``python benchmarks/bench_fp8.py --plot RECORD`` draws the curves beside it (PNG,
+needs matplotlib).
+
+    python benchmarks/bench_fp8.py speed                    # all shapes and variants, one GPU
+    python benchmarks/bench_fp8.py speed --shapes 1b-2048 --variants bf16 rowwise-compile
+    python benchmarks/bench_fp8.py loss --loss-steps 1000 --parallel 4   # the four runs side by side
+    python benchmarks/bench_fp8.py speed --smoke            # CPU, emulated FP8, tiny shapes: code path only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ holds scripts, not a package
+import records  # noqa: E402
+
+BF16_PEAK = 989.4e12
+# shape -> (preset, overrides, seq_len, micro-batch)
+SHAPES: dict[str, tuple[str, dict[str, Any], int, int]] = {
+    "1b-2048": ("1b", {}, 2048, 8),
+    "1b-4096": ("1b", {}, 4096, 4),
+    "8b-4l-8192": ("llama3-8b", {"n_layers": 4}, 8192, 1),
+}
+SMOKE_SHAPES: dict[str, tuple[str, dict[str, Any], int, int]] = {"tiny-64": ("debug-1m", {}, 64, 2)}
+VARIANTS = ("bf16", "bf16-compile", "tensorwise", "tensorwise-compile", "rowwise", "rowwise-compile")
+LOSS_RUNS = (("bf16", 1234), ("bf16", 4321), ("tensorwise-compile", 1234), ("rowwise-compile", 1234))
+
+
+def _recipe(variant: str) -> str | None:
+    name = variant.removesuffix("-compile")
+    return None if name == "bf16" else name
+
+
+class _StepClock:
+    """Lightning callback: wall time at each batch end (after a device sync) and each step's loss."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.times, self.losses = cuda, [], []
+
+    def callback(self) -> Any:
+        import lightning as L
+        import torch
+
+        clock = self
+
+        class Clock(L.Callback):
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+                if clock.cuda:
+                    torch.cuda.synchronize()
+                clock.times.append(time.perf_counter())
+                loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+                clock.losses.append(float(loss))
+
+        return Clock()
+
+
+def _build_module(spec: dict[str, Any]) -> Any:
+    from lightning_llmopt import CausalLMModule
+
+    recipe = _recipe(spec["variant"])
+    module = CausalLMModule(
+        spec["preset"],
+        model_overrides=spec["overrides"] or None,
+        learning_rate=3e-4,
+        warmup_steps=spec.get("warmup", 5),
+        float8=recipe,
+        float8_emulate=bool(recipe) and spec["smoke"],
+        compile=spec["variant"].endswith("-compile"),
+    )
+    module.configure_model()
+    return module
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One variant in this process (see the module docstring)."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_llmopt.callbacks.monitor import fp8_flop_share, mixed_peak_flops
+    from lightning_llmopt.testing.data import RandomTokens
+
+    cuda = not spec["smoke"]
+    L.seed_everything(spec["seed"], verbose=False)
+    module = _build_module(spec)
+    clock = _StepClock(cuda)
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed" if cuda else "32-true",
+        max_steps=spec["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, gradient_clip_val=1.0, callbacks=[clock.callback()], limit_val_batches=0,
+    )  # fmt: skip
+    if spec["mode"] == "loss":
+        from lightning_llmopt.data import TextDataModule
+
+        data: Any = TextDataModule(tokenizer="byte", seq_len=spec["seq_len"], batch_size=spec["micro_batch"])
+        trainer.fit(module, datamodule=data)
+    else:
+        tokens = RandomTokens(module.config.vocab_size, spec["seq_len"], spec["micro_batch"] * spec["steps"])
+        trainer.fit(module, DataLoader(tokens, batch_size=spec["micro_batch"]))
+    timed = clock.times[spec["warmup_steps"] :]
+    dt = [b - a for a, b in zip(timed, timed[1:], strict=False)]
+    step_s = statistics.median(dt) if dt else float("nan")
+    tokens_per_s = spec["micro_batch"] * spec["seq_len"] / step_s
+    flops = module.model.flops_per_token(spec["seq_len"]) * tokens_per_s
+    share = fp8_flop_share(module, spec["seq_len"])
+    row: dict[str, Any] = {
+        "variant": spec["variant"], "seed": spec["seed"], "median_step_ms": 1e3 * step_s,
+        "tokens_per_s": tokens_per_s, "tflops": flops / 1e12, "fp8_flop_share": share, "timed_steps": len(dt),
+    }  # fmt: skip
+    if cuda:
+        peak = mixed_peak_flops(torch.device("cuda"), torch.bfloat16, share) or BF16_PEAK / (1 - share / 2)
+        row |= {"mfu_bf16_peak": flops / BF16_PEAK, "mfu": flops / peak,
+                "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}  # fmt: skip
+    if spec["mode"] == "loss":
+        row["losses"] = clock.losses
+    return row
+
+
+def _launch(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--worker", json.dumps(spec), "--json-out", out.name]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"variant": spec["variant"], "seed": spec["seed"], "error": f"timeout after {timeout:.0f} s"}
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+            print("\n".join(tail), file=sys.stderr)
+            return {"variant": spec["variant"], "seed": spec["seed"], "error": " | ".join(tail[-3:])}
+        row = json.loads(Path(out.name).read_text())
+        row["wall_s"] = wall
+        return row
+
+
+def _loss_notes(rows: list[dict[str, Any]], start: int = 200, window: int = 50) -> list[str]:
+    """50-step means of each FP8 curve after ``start`` against the band of the two bf16 seeds."""
+
+    def means(losses: list[float]) -> list[float]:
+        return [statistics.fmean(losses[i : i + window]) for i in range(start, len(losses) - window + 1, window)]
+
+    bf16 = [r for r in rows if r["variant"] == "bf16" and "losses" in r]
+    if len(bf16) < 2:
+        return ["loss: fewer than two bf16 runs finished; no band"]
+    a, b = means(bf16[0]["losses"]), means(bf16[1]["losses"])
+    notes = [f"loss band: 50-step means of bf16 seeds {bf16[0]['seed']} and {bf16[1]['seed']} from step {start}; "
+             f"their largest gap {max(abs(x - y) for x, y in zip(a, b, strict=False)):.4f}"]  # fmt: skip
+    for row in rows:
+        if row["variant"] == "bf16" or "losses" not in row:
+            continue
+        m = means(row["losses"])
+        outside = [max(v - max(x, y), min(x, y) - v, 0.0) for v, x, y in zip(m, a, b, strict=False)]
+        inside = sum(o == 0 for o in outside)
+        notes.append(
+            f"loss {row['variant']}: {inside}/{len(m)} windows inside the bf16 band, largest excursion "
+            f"{max(outside):.4f}; final 50-step mean {m[-1]:.4f} vs bf16 {a[-1]:.4f} / {b[-1]:.4f}"
+        )
+    return notes
+
+
+def _speed(args: argparse.Namespace, shapes: dict[str, tuple[str, dict[str, Any], int, int]]) -> int:
+    failures = 0
+    for shape in args.shapes or list(shapes):
+        preset, overrides, seq, mb = shapes[shape]
+        rows = []
+        for variant in args.variants:
+            spec = {"mode": "speed", "variant": variant, "preset": preset, "overrides": overrides, "seq_len": seq,
+                    "micro_batch": mb, "steps": args.warmup + args.steps, "warmup_steps": args.warmup,
+                    "seed": 1234, "smoke": args.smoke}  # fmt: skip
+            row = _launch(spec, args.timeout)
+            failures += "error" in row
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        base = next((r for r in rows if r["variant"] == "bf16" and "error" not in r), None)
+        ours = [r for r in rows if r is not base]
+        notes = [f"goal (issue 54): FP8 >= {1.4 if shape.startswith('8b') else 1.3}x our bf16 fast path (eager)"]
+        if base is not None:
+            best = max((r for r in ours if "error" not in r and r["variant"] != "bf16-compile"),
+                       key=lambda r: r["tokens_per_s"], default=None)  # fmt: skip
+            if best is not None:
+                notes.append(f"best FP8: {best['variant']} {best['tokens_per_s'] / base['tokens_per_s']:.3f}x bf16")
+        record = records.make_record(
+            f"fp8-{shape}", {"preset": preset, "overrides": overrides, "seq_len": seq, "micro_batch": mb,
+                             "timed_steps": args.steps, "warmup_steps": args.warmup, "precision": "bf16-mixed"},
+            ours, [base] if base else [], benchmark="fp8", ratio_metric="tokens_per_s", notes=notes,
+        )  # fmt: skip
+        print(records.write_record(record, args.results_dir))
+    return failures
+
+
+def _loss(args: argparse.Namespace) -> int:
+    seq, mb = (32, 2) if args.smoke else (args.loss_seq, args.loss_batch)
+    specs = []
+    for variant, seed in LOSS_RUNS:
+        variant = variant.removesuffix("-compile") if args.smoke else variant
+        specs.append({"mode": "loss", "variant": variant, "preset": "debug-1m" if args.smoke else "1b",
+                      "overrides": {}, "seq_len": seq, "micro_batch": mb, "steps": args.loss_steps,
+                      "warmup_steps": 10, "warmup": 100, "seed": seed, "smoke": args.smoke})  # fmt: skip
+    # side by side on one GPU (--parallel): the curves do not depend on it, only the wall time does
+    with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
+        rows = list(pool.map(lambda spec: _launch(spec, args.timeout), specs))
+    for row in rows:
+        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    record = records.make_record(
+        "fp8-loss-1b", {"preset": "1b", "seq_len": seq, "micro_batch": mb, "steps": args.loss_steps,
+                        "data": "TextDataModule default corpus, byte tokenizer", "lr": 3e-4, "warmup": 100},
+        rows, [], benchmark="fp8", ratio_metric=None,
+        notes=_loss_notes(rows, start=min(200, args.loss_steps // 2), window=min(50, max(1, args.loss_steps // 10))),
+    )  # fmt: skip
+    print(records.write_record(record, args.results_dir))
+    return sum("error" in r for r in rows)
+
+
+def plot(path: Path) -> Path:
+    """The loss curves of a ``fp8-loss`` record as a PNG beside it (50-step running means)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record = json.loads(path.read_text())
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for row in record["results"]:
+        losses = row.get("losses") or []
+        w = 50
+        smooth = [statistics.fmean(losses[max(0, i - w + 1) : i + 1]) for i in range(len(losses))]
+        ax.plot(range(1, len(smooth) + 1), smooth, label=f"{row['variant']} (seed {row['seed']})", lw=1.2)
+    ax.set(xlabel="step", ylabel="train loss (50-step mean)", title=f"{record['name']}: FP8 vs bf16")
+    ax.legend()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", nargs="?", choices=("speed", "loss"), default="speed")
+    parser.add_argument("--shapes", nargs="*", default=None, help=f"default: all of {', '.join(SHAPES)}")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed steps (compile included)")
+    parser.add_argument("--loss-steps", type=int, default=1000)
+    parser.add_argument("--loss-seq", type=int, default=1024)
+    parser.add_argument("--loss-batch", type=int, default=4)
+    parser.add_argument("--parallel", type=int, default=1, help="loss runs side by side on the one GPU")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant process")
+    parser.add_argument("--results-dir", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="CPU, emulated FP8, tiny model: the code path only")
+    parser.add_argument("--plot", type=Path, default=None, help="draw a loss record's curves (PNG) and exit")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        Path(args.json_out).write_text(json.dumps(run_worker(json.loads(args.worker))))
+        return 0
+    if args.plot:
+        print(plot(args.plot))
+        return 0
+    if args.smoke:
+        args.results_dir = args.results_dir or Path(tempfile.mkdtemp(prefix="bench_fp8_"))
+        args.steps, args.warmup, args.loss_steps = min(args.steps, 3), min(args.warmup, 1), min(args.loss_steps, 6)
+        args.variants = [v for v in args.variants if not v.endswith("-compile")]
+    return _speed(args, SMOKE_SHAPES if args.smoke else SHAPES) if args.mode == "speed" else _loss(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
