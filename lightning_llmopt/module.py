@@ -21,6 +21,7 @@ from lightning_llmopt.data.datamodule import data_parallel_position
 from lightning_llmopt.models import Llama, LlamaConfig
 from lightning_llmopt.models.config import FUSED_KERNELS, _check_fused_kernels
 from lightning_llmopt.models.moe import moe_aux_loss, update_balance_bias
+from lightning_llmopt.parallel.compile import compile_blocks
 from lightning_llmopt.parallel.float8 import FLOAT8_RECIPES, apply_float8, check_float8_device, is_float8_linear
 from lightning_llmopt.parallel.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
 
@@ -158,8 +159,7 @@ class CausalLMModule(L.LightningModule):
                 "CausalLMModule(compile=True) compiles before tensor parallelism; under NDParallelStrategy pass "
                 "compile=True to the strategy instead (it compiles after TP and CP)"
             )
-        for block in self.model.layers.values():
-            block.compile()
+        compile_blocks(self.model.layers.values())
         self.model._llmopt_compiled = True
         rank_zero_info(f"compile: {len(self.model.layers)} decoder blocks through torch.compile")
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_llmopt.parallel.compile import compile_blocks
 from lightning_llmopt.parallel.context_parallel import CP_MODES, ContextParallelAttention, apply_cp, validate_cp
 from lightning_llmopt.parallel.data_parallel import all_reduce_gradients, broadcast_parameters
 from lightning_llmopt.parallel.fused import apply_kernels, check_kernels
@@ -259,8 +260,7 @@ def parallelize(module: nn.Module, mesh: Any, dims: ParallelDims, config: NDConf
         if config.activation_checkpointing != "none":
             apply_activation_checkpointing(model, config.activation_checkpointing)
         if config.compile:
-            for block in _blocks(model, family):
-                block.compile()
+            compile_blocks(_blocks(model, family))
     if config.zero_stage == 3 and dims.dp_cp > 1:
         if dims.ep > 1:
             _fully_shard_experts(module, mesh, dims, config)
