@@ -189,11 +189,30 @@ def _loss_notes(rows: list[dict[str, Any]], start: int = 200, window: int = 50) 
     return notes
 
 
+def _speed_record(shape: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    preset, overrides, seq, mb = (SMOKE_SHAPES if args.smoke else SHAPES)[shape]
+    base = next((r for r in rows if r["variant"] == "bf16" and "error" not in r), None)
+    ours = [r for r in rows if r is not base]
+    notes = [f"goal (issue 54): FP8 >= {1.4 if shape.startswith('8b') else 1.3}x our bf16 fast path (eager)"]
+    if base is not None:
+        best = max((r for r in ours if "error" not in r and r["variant"] != "bf16-compile"),
+                   key=lambda r: r["tokens_per_s"], default=None)  # fmt: skip
+        if best is not None:
+            notes.append(f"best FP8: {best['variant']} {best['tokens_per_s'] / base['tokens_per_s']:.3f}x bf16")
+    return records.make_record(
+        f"fp8-{shape}", {"preset": preset, "overrides": overrides, "seq_len": seq, "micro_batch": mb,
+                         "timed_steps": args.steps, "warmup_steps": args.warmup, "precision": "bf16-mixed"},
+        ours, [base] if base else [], benchmark="fp8", ratio_metric="tokens_per_s", notes=notes,
+    )  # fmt: skip
+
+
 def _speed(args: argparse.Namespace, shapes: dict[str, tuple[str, dict[str, Any], int, int]]) -> int:
+    """Each shape's variants in turn; the shape's record is written again after every variant, so a run cut short
+    keeps what it measured."""
     failures = 0
     for shape in args.shapes or list(shapes):
         preset, overrides, seq, mb = shapes[shape]
-        rows = []
+        rows: list[dict[str, Any]] = []
         for variant in args.variants:
             spec = {"mode": "speed", "variant": variant, "preset": preset, "overrides": overrides, "seq_len": seq,
                     "micro_batch": mb, "steps": args.warmup + args.steps, "warmup_steps": args.warmup,
@@ -202,20 +221,8 @@ def _speed(args: argparse.Namespace, shapes: dict[str, tuple[str, dict[str, Any]
             failures += "error" in row
             print(json.dumps(row), flush=True)
             rows.append(row)
-        base = next((r for r in rows if r["variant"] == "bf16" and "error" not in r), None)
-        ours = [r for r in rows if r is not base]
-        notes = [f"goal (issue 54): FP8 >= {1.4 if shape.startswith('8b') else 1.3}x our bf16 fast path (eager)"]
-        if base is not None:
-            best = max((r for r in ours if "error" not in r and r["variant"] != "bf16-compile"),
-                       key=lambda r: r["tokens_per_s"], default=None)  # fmt: skip
-            if best is not None:
-                notes.append(f"best FP8: {best['variant']} {best['tokens_per_s'] / base['tokens_per_s']:.3f}x bf16")
-        record = records.make_record(
-            f"fp8-{shape}", {"preset": preset, "overrides": overrides, "seq_len": seq, "micro_batch": mb,
-                             "timed_steps": args.steps, "warmup_steps": args.warmup, "precision": "bf16-mixed"},
-            ours, [base] if base else [], benchmark="fp8", ratio_metric="tokens_per_s", notes=notes,
-        )  # fmt: skip
-        print(records.write_record(record, args.results_dir))
+            path = records.write_record(_speed_record(shape, rows, args), args.results_dir)
+        print(path)
     return failures
 
 
