@@ -102,8 +102,7 @@ def _plain(ref: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 TWO_RANKS = [
     _config({"zero": {"stage": 3}}, ROWWISE),  # Trainer(strategy="zero3"): FSDP2 units over FP8 linears
-    _config({"nd": {"tensor_parallel": 2}}, ROWWISE),  # TP + SP: FP8 casts of DTensor shards
-    _config({"nd": {"tensor_parallel": 2}}, TENSORWISE),
+    _config({"nd": {"tensor_parallel": 2}}, TENSORWISE),  # TP + SP: FP8 casts of DTensor shards
     _config({"nd": {"context_parallel": 2}}, ROWWISE),  # ring attention, ZeRO-3 over cp
     _config({"nd": {"pipeline_parallel": 2, "schedule": "1f1b", "microbatches": 2}}, ROWWISE),
     _config({"nd": {"expert_parallel": 2, "zero_stage": 3}}, ROWWISE, "moe"),  # EP x ZeRO-3, dense FP8 attention
