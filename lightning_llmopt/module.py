@@ -147,7 +147,7 @@ class CausalLMModule(L.LightningModule):
             self.model = Llama(self.config)
         if self.hparams.get("float8") and not any(is_float8_linear(m) for m in self.model.modules()):
             self._apply_float8()
-        if self.hparams.get("compile") and not getattr(self.model, "_llmopt_compiled", False):
+        if self.hparams.get("compile") and not getattr(self, "_blocks_compiled", False):
             self._compile_blocks()
 
     def _compile_blocks(self) -> None:
@@ -160,7 +160,7 @@ class CausalLMModule(L.LightningModule):
                 "compile=True to the strategy instead (it compiles after TP and CP)"
             )
         compile_blocks(self.model.layers.values())
-        self.model._llmopt_compiled = True
+        self._blocks_compiled = True
         rank_zero_info(f"compile: {len(self.model.layers)} decoder blocks through torch.compile")
 
     def _apply_float8(self) -> None:

@@ -183,5 +183,9 @@ def float8_flop_share(model: nn.Module, flops_per_token: float) -> float:
     any, at most 1."""
     if flops_per_token <= 0:
         return 0.0
-    fp8 = sum(6 * m.in_features * m.out_features for m in model.modules() if is_float8_linear(m))
+    fp8 = 0
+    for module in model.modules():
+        if is_float8_linear(module):
+            in_features, out_features = int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
+            fp8 += 6 * in_features * out_features
     return min(1.0, fp8 / flops_per_token) if math.isfinite(fp8) else 0.0
