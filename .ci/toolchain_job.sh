@@ -75,7 +75,7 @@ v_schedules=(
 deselect=()
 for t in "${v_schedules[@]}"; do deselect+=(--deselect "$t"); done
 # FP8 under the strategies (2 gloo ranks, emulated FP8; ~4 min) runs in the main job only, to hold CI's time; the
-# FP8 unit tests (tests/parallel/test_float8.py) run here, and all of them ran on the GPU image (torch 2.11,
+# FP8 unit tests (tests/parallel/test_float8.py) run here, and ran on the GPU image too (torch 2.11,
 # torchao 0.18) in benchmarks/run_gpu_fp8.sh
 deselect+=(--deselect tests/strategies/test_float8_strategies.py)
 "$work/venv/bin/python" -m pytest -m "not interpreter" -p no:cacheprovider --durations=15 "${deselect[@]}" || status=$?
