@@ -52,19 +52,24 @@ SHAPES: dict[str, tuple[str, dict[str, Any], int, int]] = {
 }
 SMOKE_SHAPES: dict[str, tuple[str, dict[str, Any], int, int]] = {"tiny-64": ("debug-1m", {}, 64, 2)}
 VARIANTS = ("bf16", "bf16-compile", "tensorwise", "tensorwise-compile", "rowwise", "rowwise-compile")
+# not in the default set: ``...-compile-native`` runs RMSNorm and SwiGLU as PyTorch ops inside the compiled block
+# (fused kernels "rope,fused_ce"), so that inductor can fuse FP8's absolute maximum and cast into them
+EXTRA_VARIANTS = ("bf16-compile-native", "tensorwise-compile-native", "rowwise-compile-native")
 LOSS_RUNS = (("bf16", 1234), ("bf16", 4321), ("tensorwise-compile", 1234), ("rowwise-compile", 1234))
 
 
 def _recipe(variant: str) -> str | None:
-    name = variant.removesuffix("-compile")
+    name = variant.split("-", 1)[0]
     return None if name == "bf16" else name
 
 
 class _StepClock:
-    """Lightning callback: wall time at each batch end (after a device sync) and each step's loss."""
+    """Lightning callback: wall time at each batch end (after a device sync) and each step's loss; with
+    ``profile=(first, count)``, a ``torch.profiler`` trace of batches ``first .. first + count - 1``."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, profile: tuple[int, int] | None = None) -> None:
         self.cuda, self.times, self.losses = cuda, [], []
+        self.profile, self.profiler, self.summary = profile, None, None
 
     def callback(self) -> Any:
         import lightning as L
@@ -73,14 +78,67 @@ class _StepClock:
         clock = self
 
         class Clock(L.Callback):
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
+                if clock.profile and i == clock.profile[0]:
+                    activities = [torch.profiler.ProfilerActivity.CPU]
+                    if clock.cuda:
+                        activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    clock.profiler = torch.profiler.profile(activities=activities)
+                    clock.profiler.__enter__()
+
             def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
                 if clock.cuda:
                     torch.cuda.synchronize()
                 clock.times.append(time.perf_counter())
                 loss = outputs["loss"] if isinstance(outputs, dict) else outputs
                 clock.losses.append(float(loss))
+                if clock.profiler is not None and clock.profile and i == sum(clock.profile) - 1:
+                    clock.profiler.__exit__(None, None, None)
+                    clock.summary = profile_summary(clock.profiler, clock.profile[1], clock.cuda)
+                    clock.profiler = None
 
         return Clock()
+
+
+GEMM_OPS = {"aten::_scaled_mm": "gemm_fp8", "aten::mm": "gemm_bf16", "aten::addmm": "gemm_bf16",
+            "aten::bmm": "gemm_bf16", "aten::baddbmm": "gemm_bf16"}  # fmt: skip
+
+
+def profile_summary(prof: Any, steps: int, cuda: bool, top: int = 15) -> dict[str, Any]:
+    """Device time per step, in ms, by category: the GEMMs by the aten op that launched them (``gemm_fp8``:
+    ``_scaled_mm``; ``gemm_bf16``: ``mm``/``addmm``/``bmm``), the other kernels by name (``attention``: our flash
+    attention kernels; ``inductor``: ``triton_*`` kernels torch.compile generated; ``other``), plus the ``top``
+    kernels by time. On CPU (smoke), CPU time stands in for device time."""
+    import torch
+
+    def self_time(evt: Any) -> float:
+        for name in ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",):
+            if hasattr(evt, name):
+                return float(getattr(evt, name))
+        return 0.0
+
+    cats = {"gemm_fp8": 0.0, "gemm_bf16": 0.0}
+    for evt in prof.key_averages():
+        if evt.key in GEMM_OPS:
+            cats[GEMM_OPS[evt.key]] += self_time(evt) / 1e3 / steps
+    kernels: dict[str, float] = {}
+    device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    for evt in prof.events():
+        if evt.device_type == device and (not cuda or evt.name not in GEMM_OPS):
+            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.time_range.elapsed_us() / 1e3 / steps
+    total = sum(kernels.values()) if cuda else sum(cats.values())
+    rest = max(0.0, total - cats["gemm_fp8"] - cats["gemm_bf16"])
+    named = {"attention": 0.0, "inductor": 0.0}
+    for name, ms in kernels.items():
+        if "flash" in name or "attn" in name:
+            named["attention"] += ms
+        elif name.startswith("triton_"):
+            named["inductor"] += ms
+    named = {k: min(v, rest) for k, v in named.items()}
+    other = max(0.0, rest - sum(named.values()))
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    return {"device_ms_per_step": total, **cats, **named, "other": other,
+            "top_kernels": [{"name": n[:120], "ms_per_step": round(ms, 3)} for n, ms in ranked]}  # fmt: skip
 
 
 def _build_module(spec: dict[str, Any]) -> Any:
@@ -94,7 +152,8 @@ def _build_module(spec: dict[str, Any]) -> Any:
         warmup_steps=spec.get("warmup", 5),
         float8=recipe,
         float8_emulate=bool(recipe) and spec["smoke"],
-        compile=spec["variant"].endswith("-compile"),
+        compile="-compile" in spec["variant"],
+        fused_kernels="rope,fused_ce" if spec["variant"].endswith("-native") else "auto",
     )
     module.configure_model()
     return module
@@ -112,7 +171,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     cuda = not spec["smoke"]
     L.seed_everything(spec["seed"], verbose=False)
     module = _build_module(spec)
-    clock = _StepClock(cuda)
+    profile = (spec["steps"] - spec["profile"], spec["profile"]) if spec.get("profile") else None
+    clock = _StepClock(cuda, profile)
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-mixed" if cuda else "32-true",
         max_steps=spec["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -126,7 +186,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         tokens = RandomTokens(module.config.vocab_size, spec["seq_len"], spec["micro_batch"] * spec["steps"])
         trainer.fit(module, DataLoader(tokens, batch_size=spec["micro_batch"]))
-    timed = clock.times[spec["warmup_steps"] :]
+    # the profiled steps (the last ones) are slower: they are left out of the timing
+    timed = clock.times[spec["warmup_steps"] : len(clock.times) - (spec.get("profile") or 0)]
     dt = [b - a for a, b in zip(timed, timed[1:], strict=False)]
     step_s = statistics.median(dt) if dt else float("nan")
     tokens_per_s = spec["micro_batch"] * spec["seq_len"] / step_s
@@ -141,6 +202,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         row |= {"mfu_bf16_peak": flops / BF16_PEAK, "mfu": flops / peak,
                 "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
                 "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}  # fmt: skip
+    if clock.summary is not None:
+        row["profile"] = clock.summary
     if spec["mode"] == "loss":
         row["losses"] = clock.losses
     return row
@@ -200,7 +263,7 @@ def _speed_record(shape: str, rows: list[dict[str, Any]], args: argparse.Namespa
         if best is not None:
             notes.append(f"best FP8: {best['variant']} {best['tokens_per_s'] / base['tokens_per_s']:.3f}x bf16")
     return records.make_record(
-        f"fp8-{shape}", {"preset": preset, "overrides": overrides, "seq_len": seq, "micro_batch": mb,
+        f"fp8-{shape}{'-profile' if args.profile else ''}", {"preset": preset, "overrides": overrides, "seq_len": seq, "micro_batch": mb,
                          "timed_steps": args.steps, "warmup_steps": args.warmup, "precision": "bf16-mixed"},
         ours, [base] if base else [], benchmark="fp8", ratio_metric="tokens_per_s", notes=notes,
     )  # fmt: skip
@@ -215,8 +278,8 @@ def _speed(args: argparse.Namespace, shapes: dict[str, tuple[str, dict[str, Any]
         rows: list[dict[str, Any]] = []
         for variant in args.variants:
             spec = {"mode": "speed", "variant": variant, "preset": preset, "overrides": overrides, "seq_len": seq,
-                    "micro_batch": mb, "steps": args.warmup + args.steps, "warmup_steps": args.warmup,
-                    "seed": 1234, "smoke": args.smoke}  # fmt: skip
+                    "micro_batch": mb, "steps": args.warmup + args.steps + args.profile, "warmup_steps": args.warmup,
+                    "profile": args.profile, "seed": 1234, "smoke": args.smoke}  # fmt: skip
             row = _launch(spec, args.timeout)
             failures += "error" in row
             print(json.dumps(row), flush=True)
@@ -249,6 +312,90 @@ def _loss(args: argparse.Namespace) -> int:
     return sum("error" in r for r in rows)
 
 
+def linear_shapes(preset: str, overrides: dict[str, Any]) -> dict[tuple[int, int], int]:
+    """(in, out) -> count of the linear layers :func:`~lightning_llmopt.parallel.float8.float8_filter` converts in
+    this model (built on the meta device)."""
+    import torch
+
+    from lightning_llmopt import Llama, LlamaConfig
+    from lightning_llmopt.parallel.float8 import float8_filter
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.from_preset(preset, **overrides))
+    convert = float8_filter()
+    shapes: dict[tuple[int, int], int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and convert(module, name):
+            key = (module.in_features, module.out_features)
+            shapes[key] = shapes.get(key, 0) + 1
+    return shapes
+
+
+def gemm_ceiling(preset: str, overrides: dict[str, Any], tokens: int, smoke: bool) -> dict[str, Any]:
+    """The converted linears' GEMMs of one training step alone: forward (tokens x in) @ (in x out), input gradient
+    (tokens x out) @ (out x in) and weight gradient (out x tokens) @ (tokens x in), each in bf16 (``torch.mm``) and in
+    FP8 with tensorwise scales (``torch._scaled_mm``, e4m3 operands, bf16 out; the casts left out), summed over the
+    layers. Their ratio is the most FP8 linears can speed up those GEMMs; the step's other work does not change."""
+    import torch
+
+    dev = "cpu" if smoke else "cuda"
+    f8 = torch.float8_e4m3fn
+    one = torch.ones((), device=dev)
+    rows, bf16_ms, fp8_ms = [], 0.0, 0.0
+    for (k_in, k_out), count in linear_shapes(preset, overrides).items():
+        for gemm, (m, k, n) in {"fwd": (tokens, k_in, k_out), "dgrad": (tokens, k_out, k_in),
+                                "wgrad": (k_out, tokens, k_in)}.items():  # fmt: skip
+            a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            b = torch.randn(n, k, device=dev, dtype=torch.bfloat16).t()  # column-major, as _scaled_mm takes it
+            t_bf16 = records.timeit_median(lambda a=a, b=b: torch.mm(a, b), warmup=5, repeats=20)
+            if smoke:  # CPU: no FP8 GEMM; the code path only
+                t_fp8 = t_bf16
+            else:
+                a8, b8 = a.to(f8), b.t().contiguous().to(f8).t()
+                t_fp8 = records.timeit_median(
+                    lambda a8=a8, b8=b8: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
+                    warmup=5, repeats=20)  # fmt: skip
+            rows.append({"in": k_in, "out": k_out, "layers": count, "gemm": gemm, "m": m, "k": k, "n": n,
+                         "bf16_ms": t_bf16, "fp8_ms": t_fp8, "speedup": t_bf16 / t_fp8,
+                         "bf16_tflops": 2 * m * k * n / t_bf16 / 1e9, "fp8_tflops": 2 * m * k * n / t_fp8 / 1e9})  # fmt: skip
+            bf16_ms += count * t_bf16
+            fp8_ms += count * t_fp8
+    return {"gemms": rows, "bf16_ms_per_step": bf16_ms, "fp8_ms_per_step": fp8_ms, "speedup": bf16_ms / fp8_ms}
+
+
+def _gemm(args: argparse.Namespace, shapes: dict[str, tuple[str, dict[str, Any], int, int]]) -> int:
+    """``gemm`` mode: :func:`gemm_ceiling` per shape, and the bound it puts on FP8's speed-up of the whole step: the
+    bf16 step (the shape's ``speed`` record in the results folder, when there) with the converted GEMMs' bf16 time
+    replaced by their FP8 time."""
+    for shape in args.shapes or list(shapes):
+        preset, overrides, seq, mb = shapes[shape]
+        ceiling = gemm_ceiling(preset, overrides, seq * mb, args.smoke)
+        notes = [f"converted linears' GEMMs alone: bf16 {ceiling['bf16_ms_per_step']:.1f} ms, FP8 "
+                 f"{ceiling['fp8_ms_per_step']:.1f} ms per step ({ceiling['speedup']:.2f}x), casts left out"]  # fmt: skip
+        slug = records.environment()["device_slug"]
+        found = [d / f"fp8-{shape}{kind}-{slug}.json" for kind in ("-profile", "")
+                 for d in dict.fromkeys([Path(args.results_dir or records.RESULTS_DIR), records.RESULTS_DIR])]  # fmt: skip
+        speed = next((f for f in found if f.exists()), Path("/nonexistent"))
+        if speed.exists():
+            base = next((r for r in json.loads(speed.read_text())["peers"] if r["variant"] == "bf16"), None)
+            if base is not None:
+                step = base["median_step_ms"]
+                bound = step / (step - ceiling["bf16_ms_per_step"] + ceiling["fp8_ms_per_step"])
+                notes.append(f"bound: the bf16 step ({step:.1f} ms, {speed.name}) with those GEMMs in FP8 and "
+                             f"nothing else changed runs {bound:.3f}x faster; the issue's goal is "
+                             f"{1.4 if shape.startswith('8b') else 1.3}x")  # fmt: skip
+        rows = [{"variant": f"{r['in']}x{r['out']}-{r['gemm']}", **{k: round(v, 4) if isinstance(v, float) else v
+                 for k, v in r.items()}} for r in ceiling["gemms"]]  # fmt: skip
+        total = {"variant": "all-converted", **{k: v for k, v in ceiling.items() if k != "gemms"}}
+        record = records.make_record(
+            f"fp8-gemm-{shape}", {"preset": preset, "overrides": overrides, "tokens": seq * mb, "scales": "tensorwise"},
+            [total, *rows], [], benchmark="fp8", ratio_metric=None, notes=notes,
+        )  # fmt: skip
+        print("\n".join(notes))
+        print(records.write_record(record, args.results_dir))
+    return 0
+
+
 def plot(path: Path) -> Path:
     """The loss curves of a ``fp8-loss`` record as a PNG beside it (50-step running means)."""
     import matplotlib
@@ -272,11 +419,12 @@ def plot(path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", choices=("speed", "loss"), default="speed")
+    parser.add_argument("mode", nargs="?", choices=("speed", "loss", "gemm"), default="speed")
     parser.add_argument("--shapes", nargs="*", default=None, help=f"default: all of {', '.join(SHAPES)}")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=8, help="untimed steps (compile included)")
+    parser.add_argument("--profile", type=int, default=0, help="speed: profile this many steps after the timed ones")
     parser.add_argument("--loss-steps", type=int, default=1000)
     parser.add_argument("--loss-seq", type=int, default=1024)
     parser.add_argument("--loss-batch", type=int, default=4)
@@ -297,8 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.results_dir = args.results_dir or Path(tempfile.mkdtemp(prefix="bench_fp8_"))
         args.steps, args.warmup, args.loss_steps = min(args.steps, 3), min(args.warmup, 1), min(args.loss_steps, 6)
-        args.variants = [v for v in args.variants if not v.endswith("-compile")]
-    return _speed(args, SMOKE_SHAPES if args.smoke else SHAPES) if args.mode == "speed" else _loss(args)
+        args.variants = [v for v in args.variants if "-compile" not in v]
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.mode == "gemm":
+        return _gemm(args, shapes)
+    return _speed(args, shapes) if args.mode == "speed" else _loss(args)
 
 
 if __name__ == "__main__":

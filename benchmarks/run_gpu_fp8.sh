@@ -3,6 +3,10 @@
 #   smoke   benchmarks/gpu_smoke.py: the two 1b configs (bf16, FP8) and the training steps of every strategy
 #   tests   tests/parallel/test_float8.py on the GPU image's torch and torchao (FP8 device checks included)
 #   speed   benchmarks/bench_fp8.py speed $FP8_ARGS (records fp8-<shape>-<device>.json)
+#   profile benchmarks/bench_fp8.py speed --profile 3 $FP8_ARGS (records fp8-<shape>-profile-<device>.json: where the
+#           device time of a step goes, GEMMs by precision, attention, compiled kernels, the top kernels)
+#   gemm    benchmarks/bench_fp8.py gemm $FP8_ARGS (records fp8-gemm-<shape>-<device>.json: the converted linears'
+#           GEMMs alone in bf16 and FP8, and the bound they put on the step's speed-up)
 #   loss    benchmarks/bench_fp8.py loss --parallel 4 $FP8_ARGS (record fp8-loss-1b-<device>.json)
 #   fit     llmopt fit --config examples/configs/1b_gpu_fp8.yaml --trainer.max_steps 100 (its header's figure)
 # Wheels the GPU image lacks (torchao, jsonargparse, ...) travel in .whl/ and are installed to /tmp/site first.
@@ -45,6 +49,14 @@ for arg in "$@"; do
       # shellcheck disable=SC2086  # FP8_ARGS is a list of flags
       timeout -k 10 "$budget" python3 benchmarks/bench_fp8.py speed --results-dir "$RESULTS" ${FP8_ARGS:-} \
         2>&1 | tee "$LOGS/speed.log" || status=1 ;;
+    profile)
+      # shellcheck disable=SC2086
+      timeout -k 10 "$budget" python3 benchmarks/bench_fp8.py speed --profile 3 --results-dir "$RESULTS" \
+        ${FP8_ARGS:-} 2>&1 | tee "$LOGS/profile.log" || status=1 ;;
+    gemm)
+      # shellcheck disable=SC2086
+      timeout -k 10 "$budget" python3 benchmarks/bench_fp8.py gemm --results-dir "$RESULTS" ${FP8_ARGS:-} \
+        2>&1 | tee "$LOGS/gemm.log" || status=1 ;;
     loss)
       # shellcheck disable=SC2086
       timeout -k 10 "$budget" python3 benchmarks/bench_fp8.py loss --parallel 4 --results-dir "$RESULTS" \
@@ -54,7 +66,7 @@ for arg in "$@"; do
         --trainer.max_steps 100 --trainer.default_root_dir /tmp/runs/fp8 --wandb false 2>&1 \
         | tee "$LOGS/fit-fp8.log" || status=1
       grep -E "^(throughput|float8|compile)|MFU" "$LOGS/fit-fp8.log" >"$RESULTS/fp8-config-fit.txt" ;;
-    *) echo "unknown step $step (smoke, tests, speed, loss, fit)" >&2; status=1 ;;
+    *) echo "unknown step $step (smoke, tests, speed, profile, gemm, loss, fit)" >&2; status=1 ;;
   esac
   echo "== step $step: $((SECONDS - start)) s" | tee -a "$LOGS/steps.log"
   save_logs
