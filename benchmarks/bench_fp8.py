@@ -262,8 +262,9 @@ def _speed_record(shape: str, rows: list[dict[str, Any]], args: argparse.Namespa
                    key=lambda r: r["tokens_per_s"], default=None)  # fmt: skip
         if best is not None:
             notes.append(f"best FP8: {best['variant']} {best['tokens_per_s'] / base['tokens_per_s']:.3f}x bf16")
+    name = f"fp8-{shape}{'-profile' if args.profile else ''}"
     return records.make_record(
-        f"fp8-{shape}{'-profile' if args.profile else ''}", {"preset": preset, "overrides": overrides, "seq_len": seq, "micro_batch": mb,
+        name, {"preset": preset, "overrides": overrides, "seq_len": seq, "micro_batch": mb,
                          "timed_steps": args.steps, "warmup_steps": args.warmup, "precision": "bf16-mixed"},
         ours, [base] if base else [], benchmark="fp8", ratio_metric="tokens_per_s", notes=notes,
     )  # fmt: skip
@@ -357,7 +358,8 @@ def gemm_ceiling(preset: str, overrides: dict[str, Any], tokens: int, smoke: boo
                     warmup=5, repeats=20)  # fmt: skip
             rows.append({"in": k_in, "out": k_out, "layers": count, "gemm": gemm, "m": m, "k": k, "n": n,
                          "bf16_ms": t_bf16, "fp8_ms": t_fp8, "speedup": t_bf16 / t_fp8,
-                         "bf16_tflops": 2 * m * k * n / t_bf16 / 1e9, "fp8_tflops": 2 * m * k * n / t_fp8 / 1e9})  # fmt: skip
+                         "bf16_tflops": 2 * m * k * n / t_bf16 / 1e9,
+                         "fp8_tflops": 2 * m * k * n / t_fp8 / 1e9})  # fmt: skip
             bf16_ms += count * t_bf16
             fp8_ms += count * t_fp8
     return {"gemms": rows, "bf16_ms_per_step": bf16_ms, "fp8_ms_per_step": fp8_ms, "speedup": bf16_ms / fp8_ms}
@@ -370,11 +372,13 @@ def _gemm(args: argparse.Namespace, shapes: dict[str, tuple[str, dict[str, Any],
     for shape in args.shapes or list(shapes):
         preset, overrides, seq, mb = shapes[shape]
         ceiling = gemm_ceiling(preset, overrides, seq * mb, args.smoke)
-        notes = [f"converted linears' GEMMs alone: bf16 {ceiling['bf16_ms_per_step']:.1f} ms, FP8 "
-                 f"{ceiling['fp8_ms_per_step']:.1f} ms per step ({ceiling['speedup']:.2f}x), casts left out"]  # fmt: skip
+        notes = [
+            f"converted linears' GEMMs alone: bf16 {ceiling['bf16_ms_per_step']:.1f} ms, FP8 "
+            f"{ceiling['fp8_ms_per_step']:.1f} ms per step ({ceiling['speedup']:.2f}x), casts left out"
+        ]
         slug = records.environment()["device_slug"]
-        found = [d / f"fp8-{shape}{kind}-{slug}.json" for kind in ("-profile", "")
-                 for d in dict.fromkeys([Path(args.results_dir or records.RESULTS_DIR), records.RESULTS_DIR])]  # fmt: skip
+        folders = dict.fromkeys([Path(args.results_dir or records.RESULTS_DIR), records.RESULTS_DIR])
+        found = [d / f"fp8-{shape}{kind}-{slug}.json" for kind in ("-profile", "") for d in folders]
         speed = next((f for f in found if f.exists()), Path("/nonexistent"))
         if speed.exists():
             base = next((r for r in json.loads(speed.read_text())["peers"] if r["variant"] == "bf16"), None)
