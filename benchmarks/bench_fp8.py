@@ -228,7 +228,9 @@ def _launch(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 def _loss_notes(rows: list[dict[str, Any]], start: int = 200, window: int = 50) -> list[str]:
-    """50-step means of each FP8 curve after ``start`` against the band of the two bf16 seeds."""
+    """50-step means of each FP8 curve after ``start`` against the band the bf16 seeds span: the first two seeds'
+    band (the issue's criterion) and, with more seeds, the band of all of them. Excursions are signed: above the band
+    (higher loss) or below it."""
 
     def means(losses: list[float]) -> list[float]:
         return [statistics.fmean(losses[i : i + window]) for i in range(start, len(losses) - window + 1, window)]
@@ -236,19 +238,28 @@ def _loss_notes(rows: list[dict[str, Any]], start: int = 200, window: int = 50) 
     bf16 = [r for r in rows if r["variant"] == "bf16" and "losses" in r]
     if len(bf16) < 2:
         return ["loss: fewer than two bf16 runs finished; no band"]
-    a, b = means(bf16[0]["losses"]), means(bf16[1]["losses"])
-    notes = [f"loss band: 50-step means of bf16 seeds {bf16[0]['seed']} and {bf16[1]['seed']} from step {start}; "
-             f"their largest gap {max(abs(x - y) for x, y in zip(a, b, strict=False)):.4f}"]  # fmt: skip
+    curves = [means(r["losses"]) for r in bf16]
+    bands = {"2 seeds": curves[:2]} | ({f"{len(curves)} seeds": curves} if len(curves) > 2 else {})
+    seeds = ", ".join(str(r["seed"]) for r in bf16)
+    notes = [f"loss bands: {window}-step means from step {start} of bf16 seeds {seeds}; width of the 2-seed band at "
+             f"most {max(max(c) - min(c) for c in zip(*curves[:2], strict=False)):.4f}"]  # fmt: skip
+    if len(curves) > 2:
+        notes[0] += f", of the {len(curves)}-seed band {max(max(c) - min(c) for c in zip(*curves, strict=False)):.4f}"
     for row in rows:
         if row["variant"] == "bf16" or "losses" not in row:
             continue
         m = means(row["losses"])
-        outside = [max(v - max(x, y), min(x, y) - v, 0.0) for v, x, y in zip(m, a, b, strict=False)]
-        inside = sum(o == 0 for o in outside)
-        notes.append(
-            f"loss {row['variant']}: {inside}/{len(m)} windows inside the bf16 band, largest excursion "
-            f"{max(outside):.4f}; final 50-step mean {m[-1]:.4f} vs bf16 {a[-1]:.4f} / {b[-1]:.4f}"
-        )
+        for label, band in bands.items():
+            lo = [min(c) for c in zip(*band, strict=False)]
+            hi = [max(c) for c in zip(*band, strict=False)]
+            above = max(max(v - h, 0.0) for v, h in zip(m, hi, strict=False))
+            below = max(max(lo_ - v, 0.0) for v, lo_ in zip(m, lo, strict=False))
+            inside = sum(lo_ <= v <= h for v, lo_, h in zip(m, lo, hi, strict=False))
+            notes.append(
+                f"loss {row['variant']} vs the {label} band: {inside}/{len(m)} windows inside, largest excursion "
+                f"above {above:.4f} (higher loss), below {below:.4f}; final mean {m[-1]:.4f} vs bf16 "
+                f"{min(c[-1] for c in band):.4f}..{max(c[-1] for c in band):.4f}"
+            )
     return notes
 
 
@@ -293,7 +304,8 @@ def _speed(args: argparse.Namespace, shapes: dict[str, tuple[str, dict[str, Any]
 def _loss(args: argparse.Namespace) -> int:
     seq, mb = (32, 2) if args.smoke else (args.loss_seq, args.loss_batch)
     specs = []
-    for variant, seed in LOSS_RUNS:
+    runs = [(v, int(seed)) for v, seed in (r.split(":") for r in args.loss_runs)] if args.loss_runs else LOSS_RUNS
+    for variant, seed in runs:
         variant = variant.removesuffix("-compile") if args.smoke else variant
         specs.append({"mode": "loss", "variant": variant, "preset": "debug-1m" if args.smoke else "1b",
                       "overrides": {}, "seq_len": seq, "micro_batch": mb, "steps": args.loss_steps,
@@ -303,6 +315,9 @@ def _loss(args: argparse.Namespace) -> int:
         rows = list(pool.map(lambda spec: _launch(spec, args.timeout), specs))
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    if args.merge:  # runs of an earlier record of the same configuration first (more bf16 seeds for the band)
+        rows = [*json.loads(args.merge.read_text())["results"], *rows]
+    rows.sort(key=lambda r: r["variant"] != "bf16")  # bf16 seeds first, in their order
     record = records.make_record(
         "fp8-loss-1b", {"preset": "1b", "seq_len": seq, "micro_batch": mb, "steps": args.loss_steps,
                         "data": "TextDataModule default corpus, byte tokenizer", "lr": 3e-4, "warmup": 100},
@@ -432,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-steps", type=int, default=1000)
     parser.add_argument("--loss-seq", type=int, default=1024)
     parser.add_argument("--loss-batch", type=int, default=4)
+    parser.add_argument("--loss-runs", nargs="*", default=None, help="loss: VARIANT:SEED runs instead of the four")
+    parser.add_argument("--merge", type=Path, default=None, help="loss: an earlier loss record whose runs join these")
     parser.add_argument("--parallel", type=int, default=1, help="loss runs side by side on the one GPU")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per variant process")
     parser.add_argument("--results-dir", type=Path, default=None)
