@@ -124,7 +124,8 @@ def profile_summary(prof: Any, steps: int, cuda: bool, top: int = 15) -> dict[st
     kernels: dict[str, float] = {}
     device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     for evt in prof.events():
-        if evt.device_type == device and (not cuda or evt.name not in GEMM_OPS):
+        # "Optimizer.step#AdamW.step" and the like are annotations spanning kernels on the GPU timeline, not kernels
+        if evt.device_type == device and (not cuda or evt.name not in GEMM_OPS) and "#" not in evt.name:
             kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.time_range.elapsed_us() / 1e3 / steps
     total = sum(kernels.values()) if cuda else sum(cats.values())
     rest = max(0.0, total - cats["gemm_fp8"] - cats["gemm_bf16"])
@@ -423,14 +424,19 @@ def plot(path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     record = json.loads(path.read_text())
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
     for row in record["results"]:
         losses = row.get("losses") or []
         w = 50
         smooth = [statistics.fmean(losses[max(0, i - w + 1) : i + 1]) for i in range(len(losses))]
-        ax.plot(range(1, len(smooth) + 1), smooth, label=f"{row['variant']} (seed {row['seed']})", lw=1.2)
+        label = f"{row['variant']} (seed {row['seed']})"
+        style = {"lw": 1.2, "ls": "-" if row["variant"] == "bf16" else "--"}
+        ax.plot(range(1, len(smooth) + 1), smooth, label=label, **style)
+        start = min(200, len(smooth) // 2)  # the part the bands compare, zoomed
+        zoom.plot(range(start + 1, len(smooth) + 1), smooth[start:], label=label, **style)
     ax.set(xlabel="step", ylabel="train loss (50-step mean)", title=f"{record['name']}: FP8 vs bf16")
-    ax.legend()
+    zoom.set(xlabel="step", ylabel="train loss (50-step mean)", title="from step 200")
+    zoom.legend()
     out = path.with_suffix(".png")
     fig.savefig(out, dpi=120, bbox_inches="tight")
     return out

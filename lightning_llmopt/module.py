@@ -22,7 +22,13 @@ from lightning_llmopt.models import Llama, LlamaConfig
 from lightning_llmopt.models.config import FUSED_KERNELS, _check_fused_kernels
 from lightning_llmopt.models.moe import moe_aux_loss, update_balance_bias
 from lightning_llmopt.parallel.compile import compile_blocks
-from lightning_llmopt.parallel.float8 import FLOAT8_RECIPES, apply_float8, check_float8_device, is_float8_linear
+from lightning_llmopt.parallel.float8 import (
+    FLOAT8_RECIPES,
+    apply_float8,
+    check_float8_device,
+    is_float8_linear,
+    precompute_scales,
+)
 from lightning_llmopt.parallel.vocab_parallel import is_vocab_sharded, vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
@@ -71,6 +77,11 @@ class CausalLMModule(L.LightningModule):
             the Hugging Face export are unchanged (:func:`~lightning_llmopt.parallel.float8.apply_float8`).
         float8_emulate: emulate the FP8 GEMMs (same rounding and scales, high-precision GEMM) on any device: for
             tests and CPU references. Without it, ``float8`` on a device without FP8 tensor cores raises.
+        float8_all_gather: under ``zero3`` (``ZeroStrategy(stage=3)``, parameters on the GPU) with the
+            ``"tensorwise"`` recipe, FSDP2 all-gathers the FP8 linears' weights already cast to FP8 (half the bytes
+            of bf16), with each weight's scale from its whole tensor (one all-reduce for all of them after each
+            optimizer step): the same FP8 weights as without it. ``None`` (default): on exactly there; ``True``:
+            required (a named error elsewhere); ``False``: off.
         compile: ``torch.compile`` each decoder block (after the kernels and FP8 steps, before a ZeRO strategy shards
             them), which fuses FP8's scaling and casting into neighbouring kernels. For one device, DDP and the
             ``zero*`` strategies; ``NDParallelStrategy`` compiles in its own plan (its ``compile`` argument), after
@@ -93,6 +104,7 @@ class CausalLMModule(L.LightningModule):
         fused_optimizer: bool | None = None,
         float8: str | None = None,
         float8_emulate: bool = False,
+        float8_all_gather: bool | None = None,
         compile: bool = False,
     ) -> None:
         super().__init__()
@@ -169,8 +181,29 @@ class CausalLMModule(L.LightningModule):
         assert self.model is not None
         emulate = bool(self.hparams.get("float8_emulate"))
         check_float8_device(self._device_type() if not emulate else "cpu", emulate)
-        report = apply_float8(self.model, self.hparams["float8"], emulate=emulate)
-        rank_zero_info(report.describe())
+        self._float8_all_gather = self._wants_float8_all_gather()
+        report = apply_float8(
+            self.model, self.hparams["float8"], emulate=emulate, fsdp_all_gather=self._float8_all_gather
+        )
+        rank_zero_info(
+            report.describe() + ("; FSDP2 all-gathers their weights in FP8" if self._float8_all_gather else "")
+        )
+
+    def _wants_float8_all_gather(self) -> bool:
+        """``float8_all_gather`` resolved against the recipe and the strategy (see the class docstring)."""
+        choice = self.hparams.get("float8_all_gather")
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        recipe = self.hparams["float8"]
+        why_not = None
+        if recipe != "tensorwise":
+            why_not = f"float8={recipe!r} (FP8 all-gather needs float8='tensorwise')"
+        elif getattr(strategy, "stage", None) != 3 or hasattr(strategy, "dims"):  # NDParallelStrategy has dims
+            why_not = f"strategy {type(strategy).__name__} (FP8 all-gather needs ZeroStrategy(stage=3), 'zero3')"
+        elif getattr(strategy, "offload_parameters", False):
+            why_not = "parameters offloaded to the CPU (zero3_offload)"
+        if choice is True and why_not is not None:
+            raise ValueError(f"float8_all_gather=True does not apply with {why_not}")
+        return choice is not False and why_not is None
 
     def _device_type(self) -> str:
         """The trainer's device type (``"cuda"``, ``"cpu"``...); without a trainer, CUDA if one is visible."""
@@ -232,6 +265,10 @@ class CausalLMModule(L.LightningModule):
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.model is not None and getattr(self, "_float8_all_gather", False):
+            # the next forward's FP8 weight scales, from the weights the optimizer step just wrote (one all-reduce;
+            # not in on_before_zero_grad, which Lightning calls after the next forward)
+            precompute_scales(self.model)
         # Here rather than in training_step: every rank runs this hook once per batch, pipeline stages included
         # (under pipeline parallelism training_step runs per micro-batch on the last stage only).
         n = batch["input_ids"].numel() * data_parallel_position(self.trainer)[0]

@@ -39,6 +39,7 @@ __all__ = [
     "float8_filter",
     "float8_flop_share",
     "is_float8_linear",
+    "precompute_scales",
 ]
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")

@@ -17,6 +17,7 @@ Odd row counts (37) and widths that are multiples of 16 (the FP8 GEMM's alignmen
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -278,3 +279,41 @@ def test_qat_refuses_fp8_layers() -> None:
                         enable_checkpointing=False, callbacks=[QuantizationAwareTraining()])  # fmt: skip
     with pytest.raises(ValueError, match="FP8 linear layers.*float8='rowwise'"):
         trainer.fit(_tiny(), DataLoader(RandomTokens(320, 16, 4), batch_size=2))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "strategy", "choice", "expected"),
+    [
+        ("tensorwise", {"stage": 3}, None, True),  # zero3: on by default
+        ("tensorwise", {"stage": 3}, False, False),
+        ("rowwise", {"stage": 3}, None, False),
+        ("tensorwise", {"stage": 2}, None, False),
+        ("tensorwise", {"stage": 3, "offload_parameters": True}, None, False),
+        ("tensorwise", {"stage": 3, "dims": object()}, None, False),  # NDParallelStrategy
+        ("tensorwise", None, None, False),  # no trainer
+    ],
+)
+def test_float8_all_gather_applies_under_zero3_tensorwise(
+    recipe: str, strategy: dict[str, Any] | None, choice: bool | None, expected: bool
+) -> None:
+    module = CausalLMModule("tiny", float8=recipe, float8_emulate=True, float8_all_gather=choice)
+    if strategy is not None:
+        module._trainer = SimpleNamespace(strategy=SimpleNamespace(**strategy))  # type: ignore[assignment]
+    assert module._wants_float8_all_gather() is expected
+
+
+@pytest.mark.parametrize(
+    ("recipe", "strategy", "match"),
+    [
+        ("rowwise", {"stage": 3}, "float8='rowwise'"),
+        ("tensorwise", {"stage": 1}, "ZeroStrategy\\(stage=3\\)"),
+        ("tensorwise", {"stage": 3, "offload_parameters": True}, "zero3_offload"),
+    ],
+)
+def test_float8_all_gather_true_where_it_cannot_apply_is_named(
+    recipe: str, strategy: dict[str, Any], match: str
+) -> None:
+    module = CausalLMModule("tiny", float8=recipe, float8_emulate=True, float8_all_gather=True)
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(**strategy))  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=match):
+        module._wants_float8_all_gather()

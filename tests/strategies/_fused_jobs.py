@@ -121,6 +121,7 @@ def run(config: dict[str, Any], init_path: str, backend: str | None = None) -> d
             recorder, trainer = J.fit(init_path=init_path, callbacks=[grads], **config)
         out = J.summary(recorder, trainer)
         out["fused"] = dict(getattr(trainer.lightning_module.model, "llmopt_fused", {}))  # what was swapped in
+        out["float8_all_gather"] = bool(getattr(trainer.lightning_module, "_float8_all_gather", False))
         steps = grads.grads
         if getattr(getattr(trainer.strategy, "dims", None), "pp", 1) > 1:
             steps = [J.union_over_ranks(g) for g in steps]

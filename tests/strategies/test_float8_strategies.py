@@ -25,10 +25,15 @@ CP=2 (ring attention) is not in the list: measured, its first step's gradient is
 backward, where FP8's gradient casts follow; whether a scale is also taken over the local half of the sequence
 there is not settled (docs/fp8.md lists it as open).
 
-Tensorwise scaling under data parallelism is not in the list, by design: each rank scales its own micro-batch's
-activations and gradients by their own absolute maximum (as torchao and torchtitan do; an all-reduce per cast would
-cost more than FP8 saves), so 2 ranks of 2 rows round differently from 1 process of 4 rows. Measured: losses 1.4e-4
-and gradients 7% apart after 5 steps. Rowwise scales are per row, the same in any batch split.
+FP8 all-gather (``float8_all_gather``, on by default under ``zero3`` with tensorwise scales): FSDP2 gathers each
+weight already in FP8, its scale from the whole weight; the same FP8 weights as gathering bf16 and casting after.
+ZeRO-3 with it equals ZeRO-3 without it on the same 2 ranks (all 5 steps), and a 2-layer model sharded this way
+equals the unsharded one.
+
+Tensorwise scaling under data parallelism is not compared with one process, by design: each rank scales its own
+micro-batch's activations and gradients by their own absolute maximum (as torchao and torchtitan do; an all-reduce per
+cast would cost more than FP8 saves), so 2 ranks of 2 rows round differently from 1 process of 4 rows. Measured:
+losses 1.4e-4 and gradients 7% apart after 5 steps. Rowwise scales are per row, the same in any batch split.
 """
 
 from __future__ import annotations
@@ -132,3 +137,106 @@ def test_two_ranks(dist_pool: Any, init_paths: dict[str, str]) -> None:
     plain = {k: v for k, v in _config({"nd": None}, {}).items() if k != "init"}
     fp8 = _reference(init_paths, ROWWISE)
     assert F.rel_error(fp8["params"], F.run(plain, init_paths["llmopt"])["params"]) > 100 * TOL
+
+
+def test_zero3_float8_all_gather_changes_only_the_traffic(dist_pool: Any, init_paths: dict[str, str]) -> None:
+    """zero3 + tensorwise turns FP8 all-gather on by itself, and 5 steps of it equal zero3 + tensorwise with it off
+    (``float8_all_gather=False``) on the same 2 ranks: losses, gradients and parameters within 1e-5."""
+    on = _config({"zero": {"stage": 3}}, TENSORWISE)
+    off = _config({"zero": {"stage": 3}}, {**TENSORWISE, "float8_all_gather": False})
+    results = dist_pool(2).run(F.parity_job, init_paths, [on, off])[0]
+    assert [r["float8_all_gather"] for r in results] == [True, False]
+    errors = _errors(results[0], results[1])
+    print(f"float8 all-gather parity: {errors}")
+    assert max(errors.values()) <= TOL, errors
+
+
+def _all_gather_job() -> dict[str, Any]:
+    """A 2-layer model with FP8 linears, FSDP2-sharded with FP8 all-gather, 3 SGD steps on the same batch on every
+    rank, against the same model unsharded (gradients averaged over the ranks)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_llmopt.parallel.float8 import apply_float8, precompute_scales
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+
+    ref, model = make(), make()
+    apply_float8(ref, "tensorwise", emulate=True)
+    apply_float8(model, "tensorwise", emulate=True, fsdp_all_gather=True)
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    kinds = sorted({type(p.to_local()).__name__ for p in model.parameters() if p.ndim == 2})
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        precompute_scales(model)
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    return {"losses": losses, "ref_losses": ref_losses, "weight_kinds": kinds}
+
+
+def test_fp8_all_gather_equals_the_unsharded_model(dist_pool: Any) -> None:
+    for out in dist_pool(2).run(_all_gather_job):
+        assert out["weight_kinds"] == ["WeightWithDynamicFloat8CastTensor"]  # gathered in FP8, not bf16
+        losses, ref = torch.tensor(out["losses"]), torch.tensor(out["ref_losses"])
+        assert ((losses - ref).abs() / ref.abs()).max() <= TOL, (out["losses"], out["ref_losses"])
+        assert losses[-1] < losses[0]  # it trained
+
+
+def _resume_job(init_path: str, root: str, split: int, total: int) -> dict[str, Any]:
+    """zero3 with FP8 all-gather: a straight run saving at step ``split``, and a run resumed from that checkpoint."""
+    import torch.distributed as dist
+
+    Z = sys.modules.get("_zero_jobs") or load_script(Path(__file__).with_name("_zero_jobs.py"), "_zero_jobs")
+    world, kwargs = dist.get_world_size(), {"model_overrides": LAYERS, **TENSORWISE}
+    save = Z.SaveAt(split, root, capture=True)
+    recorder, trainer = Z.fit(stage=3, steps=total, world=world, init_path=init_path, callbacks=[save],
+                              module_kwargs=kwargs)  # fmt: skip
+    straight = {**Z.summary(recorder, trainer), "all_gather": trainer.lightning_module._float8_all_gather,
+                "saved": save.saved["params"]}  # fmt: skip
+    resumed = Z.summary(*Z.fit(stage=3, steps=total, world=world, init_path=init_path, ckpt_path=root,
+                               module_kwargs=kwargs))  # fmt: skip
+    return {"straight": straight, "resumed": resumed}
+
+
+def test_zero3_float8_all_gather_checkpoint_resumes_exactly(
+    dist_pool: Any, init_paths: dict[str, str], tmp_path: Path
+) -> None:
+    """A zero3 checkpoint of FP8 linears gathered in FP8 saves plain weights, resumes onto the same steps and exports
+    (``consolidate``) the weights it saved."""
+    from safetensors.torch import load_file
+
+    from lightning_llmopt.cli.consolidate import consolidate
+
+    out = dist_pool(2).run(_resume_job, init_paths["llmopt"], str(tmp_path / "ckpt"), 2, 4)[0]
+    straight, resumed = out["straight"], out["resumed"]
+    assert straight["all_gather"] is True
+    assert resumed["losses"] == straight["losses"][2:]  # steps 3 and 4, from the checkpoint
+    for name, value in straight["params"].items():
+        assert type(value) is torch.Tensor, name  # full weights come back as plain tensors
+        assert torch.equal(resumed["params"][name], value), name
+    files = consolidate(tmp_path / "ckpt", tmp_path / "hf")
+    exported = {k: v for f in files if f.suffix == ".safetensors" for k, v in load_file(f).items()}
+    saved = straight["saved"]
+    wq = next(k for k in saved if k.endswith("layers.0.attention.wq.weight"))  # an FP8 linear's master weight
+    hf_wq = next(k for k in exported if k.endswith("layers.0.self_attn.q_proj.weight"))
+    assert exported[hf_wq].dtype == saved[wq].dtype
+    assert exported[hf_wq].shape == saved[wq].shape  # the HF layout (q rows permuted for RoPE) of the same weight
+    assert torch.equal(exported[hf_wq].sort(dim=0).values.float(), saved[wq].sort(dim=0).values.float())
