@@ -348,37 +348,50 @@ def linear_shapes(preset: str, overrides: dict[str, Any]) -> dict[tuple[int, int
     return shapes
 
 
-def gemm_ceiling(preset: str, overrides: dict[str, Any], tokens: int, smoke: bool) -> dict[str, Any]:
-    """The converted linears' GEMMs of one training step alone: forward (tokens x in) @ (in x out), input gradient
-    (tokens x out) @ (out x in) and weight gradient (out x tokens) @ (tokens x in), each in bf16 (``torch.mm``) and in
-    FP8 with tensorwise scales (``torch._scaled_mm``, e4m3 operands, bf16 out; the casts left out), summed over the
-    layers. Their ratio is the most FP8 linears can speed up those GEMMs; the step's other work does not change."""
+def _time_linear(k_in: int, k_out: int, tokens: int, smoke: bool) -> list[dict[str, Any]]:
+    """One linear layer's three training GEMMs, bf16 (``torch.mm``) and FP8 (``torch._scaled_mm``, tensorwise
+    scales, e4m3 operands, bf16 out, the casts left out): forward (tokens x in) @ (in x out), input gradient
+    (tokens x out) @ (out x in), weight gradient (out x tokens) @ (tokens x in)."""
     import torch
 
     dev = "cpu" if smoke else "cuda"
-    f8 = torch.float8_e4m3fn
     one = torch.ones((), device=dev)
+    rows = []
+    for gemm, (m, k, n) in {"fwd": (tokens, k_in, k_out), "dgrad": (tokens, k_out, k_in),
+                            "wgrad": (k_out, tokens, k_in)}.items():  # fmt: skip
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=dev, dtype=torch.bfloat16).t()  # column-major, as _scaled_mm takes it
+        t_bf16 = records.timeit_median(lambda a=a, b=b: torch.mm(a, b), warmup=5, repeats=20)
+        if smoke:  # CPU: no FP8 GEMM; the code path only
+            t_fp8 = t_bf16
+        else:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
+            t_fp8 = records.timeit_median(
+                lambda a8=a8, b8=b8: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
+                warmup=5, repeats=20)  # fmt: skip
+        rows.append({"in": k_in, "out": k_out, "gemm": gemm, "m": m, "k": k, "n": n, "bf16_ms": t_bf16,
+                     "fp8_ms": t_fp8, "speedup": t_bf16 / t_fp8, "bf16_tflops": 2 * m * k * n / t_bf16 / 1e9,
+                     "fp8_tflops": 2 * m * k * n / t_fp8 / 1e9})  # fmt: skip
+    return rows
+
+
+def gemm_ceiling(preset: str, overrides: dict[str, Any], tokens: int, smoke: bool) -> dict[str, Any]:
+    """The converted linears' GEMMs of one training step alone (:func:`_time_linear`, summed over the layers), and
+    the LM head's (kept in bf16 by :func:`~lightning_llmopt.parallel.float8.float8_filter`) the same way. Their
+    ratio is the most FP8 linears can speed up those GEMMs; the step's other work does not change."""
+    from lightning_llmopt import LlamaConfig
+
     rows, bf16_ms, fp8_ms = [], 0.0, 0.0
     for (k_in, k_out), count in linear_shapes(preset, overrides).items():
-        for gemm, (m, k, n) in {"fwd": (tokens, k_in, k_out), "dgrad": (tokens, k_out, k_in),
-                                "wgrad": (k_out, tokens, k_in)}.items():  # fmt: skip
-            a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            b = torch.randn(n, k, device=dev, dtype=torch.bfloat16).t()  # column-major, as _scaled_mm takes it
-            t_bf16 = records.timeit_median(lambda a=a, b=b: torch.mm(a, b), warmup=5, repeats=20)
-            if smoke:  # CPU: no FP8 GEMM; the code path only
-                t_fp8 = t_bf16
-            else:
-                a8, b8 = a.to(f8), b.t().contiguous().to(f8).t()
-                t_fp8 = records.timeit_median(
-                    lambda a8=a8, b8=b8: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
-                    warmup=5, repeats=20)  # fmt: skip
-            rows.append({"in": k_in, "out": k_out, "layers": count, "gemm": gemm, "m": m, "k": k, "n": n,
-                         "bf16_ms": t_bf16, "fp8_ms": t_fp8, "speedup": t_bf16 / t_fp8,
-                         "bf16_tflops": 2 * m * k * n / t_bf16 / 1e9,
-                         "fp8_tflops": 2 * m * k * n / t_fp8 / 1e9})  # fmt: skip
-            bf16_ms += count * t_bf16
-            fp8_ms += count * t_fp8
-    return {"gemms": rows, "bf16_ms_per_step": bf16_ms, "fp8_ms_per_step": fp8_ms, "speedup": bf16_ms / fp8_ms}
+        for row in _time_linear(k_in, k_out, tokens, smoke):
+            rows.append({**row, "layers": count})
+            bf16_ms += count * row["bf16_ms"]
+            fp8_ms += count * row["fp8_ms"]
+    config = LlamaConfig.from_preset(preset, **overrides)
+    head = [{**row, "layers": 1, "head": True} for row in _time_linear(config.dim, config.vocab_size, tokens, smoke)]
+    return {"gemms": rows + head, "bf16_ms_per_step": bf16_ms, "fp8_ms_per_step": fp8_ms, "speedup": bf16_ms / fp8_ms,
+            "head_bf16_ms_per_step": sum(r["bf16_ms"] for r in head),
+            "head_fp8_ms_per_step": sum(r["fp8_ms"] for r in head)}  # fmt: skip
 
 
 def _gemm(args: argparse.Namespace, shapes: dict[str, tuple[str, dict[str, Any], int, int]]) -> int:
@@ -401,11 +414,17 @@ def _gemm(args: argparse.Namespace, shapes: dict[str, tuple[str, dict[str, Any],
             if base is not None:
                 step = base["median_step_ms"]
                 bound = step / (step - ceiling["bf16_ms_per_step"] + ceiling["fp8_ms_per_step"])
+                head = ceiling["head_bf16_ms_per_step"] - ceiling["head_fp8_ms_per_step"]
+                bound_head = step / (step - ceiling["bf16_ms_per_step"] + ceiling["fp8_ms_per_step"] - head)
                 notes.append(f"bound: the bf16 step ({step:.1f} ms, {speed.name}) with those GEMMs in FP8 and "
                              f"nothing else changed runs {bound:.3f}x faster; the issue's goal is "
-                             f"{1.4 if shape.startswith('8b') else 1.3}x")  # fmt: skip
-        rows = [{"variant": f"{r['in']}x{r['out']}-{r['gemm']}", **{k: round(v, 4) if isinstance(v, float) else v
-                 for k, v in r.items()}} for r in ceiling["gemms"]]  # fmt: skip
+                             f"{1.4 if shape.startswith('8b') else 1.3}x; with the LM head's GEMMs in FP8 too "
+                             f"({ceiling['head_bf16_ms_per_step']:.1f} -> {ceiling['head_fp8_ms_per_step']:.1f} ms), "
+                             f"{bound_head:.3f}x")  # fmt: skip
+        rows = []
+        for r in ceiling["gemms"]:
+            name = f"{'head-' if r.get('head') else ''}{r['in']}x{r['out']}-{r['gemm']}"
+            rows.append({"variant": name, **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}})
         total = {"variant": "all-converted", **{k: v for k, v in ceiling.items() if k != "gemms"}}
         record = records.make_record(
             f"fp8-gemm-{shape}", {"preset": preset, "overrides": overrides, "tokens": seq * mb, "scales": "tensorwise"},
