@@ -41,7 +41,7 @@ for arg in "$@"; do
     smoke)
       timeout -k 10 "$budget" python3 benchmarks/gpu_smoke.py --logs "$LOGS/smoke" --deadline "$((budget - 20))" \
         --only fit:1b_gpu fit:1b_gpu_fp8 train-step: 2>&1 | tee "$LOGS/smoke.log" || status=1
-      cp benchmarks/results/gpu-smoke-*.json "$RESULTS/" 2>/dev/null ;;
+      cp benchmarks/results/gpu-smoke-subset-*.json "$RESULTS/" 2>/dev/null ;;
     tests)
       timeout -k 10 "$budget" python3 -m pytest -q -p no:cacheprovider tests/parallel/test_float8.py -rA \
         2>&1 | tee "$LOGS/tests.log" || status=1 ;;
