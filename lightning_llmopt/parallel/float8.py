@@ -24,7 +24,6 @@ precision), which runs on any device (CPU tests, parity references).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -189,4 +188,4 @@ def float8_flop_share(model: nn.Module, flops_per_token: float) -> float:
         if is_float8_linear(module):
             in_features, out_features = int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
             fp8 += 6 * in_features * out_features
-    return min(1.0, fp8 / flops_per_token) if math.isfinite(fp8) else 0.0
+    return min(1.0, fp8 / flops_per_token)
