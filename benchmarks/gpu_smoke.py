@@ -255,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"variant": results[p.name]["path"], **results[p.name]} for p in paths]
     failed = [r["path"] for r in rows if not r["ok"]]
     # a subset (--only) must not replace the whole run's record
+    name = "gpu-smoke-subset" if args.only else "gpu-smoke"
     record = records.make_record(
-        "gpu-smoke-subset" if args.only else "gpu-smoke", {"device": args.device, "jobs": args.jobs, "paths": [p.name for p in paths]},
+        name, {"device": args.device, "jobs": args.jobs, "paths": [p.name for p in paths]},
         rows, benchmark="gpu-smoke", ratio_metric=None,
         notes=[f"{len(rows) - len(failed)} of {len(rows)} paths passed in {total:.0f} s"
                + (f"; failed: {', '.join(failed)}" if failed else "")],
