@@ -173,11 +173,16 @@ def test_concurrent_streams_with_disconnects(served):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (50,), generator=g)]
     leave = set(range(0, 50, 5))  # 20% disconnect mid-stream
-    cancelled = engine.stats.cancelled
+    cancelled, before = engine.stats.cancelled, _metrics(served.url)
     results = asyncio.run(_clients(served.url, prompts, leave))
     deadline = time.monotonic() + 20
     while (served.server.core.in_flight or engine.has_unfinished()) and time.monotonic() < deadline:
         time.sleep(0.02)
+    while _delta(after := _metrics(served.url), before, "", "abort") < len(leave) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # each request counted once: those that left as "abort", the others as "length" (16 tokens, ignore_eos)
+    assert _delta(after, before, "", "abort") == len(leave) and _delta(after, before, "", "length") == 50 - len(leave)
+    assert _delta(after, before, "llmopt_e2e_request_latency_seconds_count") == 50
     assert served.server.core.in_flight == 0 and not engine.has_unfinished()
     assert engine.stats.cancelled - cancelled == len(leave)  # 200 tokens each: all still running when they left
     assert engine.blocks.num_available() == engine.blocks.allocator.capacity  # free, or evictable prefix entries
@@ -412,3 +417,59 @@ def test_serve_command_prints_the_phases(tmp_path, capsys):
     assert next(engine.model.parameters()).dtype == torch.float32 and engine.device.type == "cpu"
     args = build_parser().parse_args(["--preset", "tiny", "--device", "cpu", "--num-blocks", "16", "--no-tuning-cache"])
     assert build_engine(args).tuning_cache is None
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` parsed by prometheus_client: ``{(sample name, sorted labels): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(trust_env=False) as h:
+        text = h.get(f"{url}/metrics").text
+    families = text_string_to_metric_families(text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def _finished(samples: dict, reason: str) -> float:
+    return samples.get(("llmopt_requests_total", (("finish_reason", reason),)), 0.0)
+
+
+def _delta(after: dict, before: dict, name: str, reason: str | None = None) -> float:
+    if reason is not None:
+        return _finished(after, reason) - _finished(before, reason)
+    return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
+
+
+def test_a_disconnected_stream_is_counted_as_abort(served):
+    """A client that leaves mid-stream: its request is cancelled and counted once in /metrics with
+    finish_reason="abort", its prompt, the tokens generated until the cancel and its latency; requests read to
+    their end are counted exactly once, streamed or not."""
+    before = _metrics(served.url)
+    prompt = "leave early"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(trust_env=False, timeout=30, headers=auth) as h:
+        with h.stream("POST", f"{served.url}/v1/completions", json=body) as r:
+            line = next(r.iter_lines())
+            assert r.status_code == 200 and line.startswith("data: {") and "error" not in line
+        # leaving the block closes the connection with the stream unread: a disconnect
+    deadline = time.monotonic() + 20
+    while _delta(after := _metrics(served.url), before, "", "abort") < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _delta(after, before, "", "abort") == 1, after
+    assert _delta(after, before, "", "length") == 0 and _delta(after, before, "", "stop") == 0
+    assert _delta(after, before, "llmopt_prompt_tokens_total") == len(prompt.encode())
+    generated = _delta(after, before, "llmopt_generation_tokens_total")
+    assert 1 <= generated < 240  # the first chunk's token(s), and cancelled before the end
+    assert _delta(after, before, "llmopt_e2e_request_latency_seconds_count") == 1
+    assert served.server.core.in_flight == 0 and served.engine.stats.cancelled >= 1
+
+    # the normal paths still count once each (3 tokens each; nothing more turns up later)
+    served.client.completions.create(model="tiny", prompt="m", max_tokens=3, **_greedy())
+    assert len(list(served.client.completions.create(model="tiny", prompt="m", max_tokens=3, stream=True,
+                                                     **_greedy()))) == 3  # fmt: skip
+    time.sleep(0.2)
+    done = _metrics(served.url)
+    assert _delta(done, after, "", "length") == 2 and _delta(done, after, "", "abort") == 0
+    assert _delta(done, after, "llmopt_generation_tokens_total") == 6
+    assert _delta(done, after, "llmopt_e2e_request_latency_seconds_count") == 2
+

@@ -140,18 +140,35 @@ class Server:
                            headers={"Retry-After": "1"}) from None  # fmt: skip
         return Job(kind, model, handles, [len(t) for t in prompts], params.n, logprobs)
 
-    def finish(self, job: Job) -> None:
-        """Metrics of a finished job."""
-        now = time.perf_counter()
+    def finish(self, job: Job, end: float | None = None) -> None:
+        """Metrics of a finished job, once: latency up to ``end`` (default: now), each choice's finish reason, and
+        the tokens of the engine's completions."""
+        if job.counted:
+            return
+        job.counted = True
+        end = time.perf_counter() if end is None else end
         for h in job.handles:
-            self.metrics.e2e.observe(now - h.submitted)
+            self.metrics.e2e.observe(end - h.submitted)
             if h.completion is not None:
                 self.metrics.cached_tokens.inc(h.completion.metrics.cached_tokens)
-        for reason in job.reasons.values():
-            self.metrics.requests.labels(reason or "unknown").inc()
+        for reason in job.final_reasons():
+            self.metrics.requests.labels(reason).inc()
         u = usage(job)
         self.metrics.prompt_tokens.inc(u["prompt_tokens"])
         self.metrics.generation_tokens.inc(u["completion_tokens"])
+
+    def abandon(self, job: Job) -> None:
+        """Count a job nobody reads to its end (its client went away; its unfinished requests were cancelled): once
+        every request has ended, as the engine finished or cancelled it (``finish_reason="abort"``), with the tokens
+        generated until then and the latency up to now."""
+        end = time.perf_counter()
+
+        def ended() -> None:
+            if all(h.ended for h in job.handles):
+                self.finish(job, end)
+
+        for h in job.handles:
+            h.when_ended(ended)
 
 
 def _too_long(exc: ContextLengthError) -> str:
@@ -161,7 +178,7 @@ def _too_long(exc: ContextLengthError) -> str:
         return f"{exc}; lower max_tokens"
     return (
         f"prompt ({exc.prompt_tokens} tokens) + max_tokens ({exc.max_tokens}) exceeds max_model_len "
-        f"({exc.max_model_len}); shorten the prompt, lower max_tokens, or send \"truncate_prompt_tokens\": "
+        f'({exc.max_model_len}); shorten the prompt, lower max_tokens, or send "truncate_prompt_tokens": '
         f"{exc.room} (or -1) to keep its last {exc.room} tokens"
     )
 
@@ -203,6 +220,8 @@ async def _run(server: Server, job: Job, tokenizer: Any) -> AsyncGenerator[dict[
     finally:
         if any(not h.done for h in job.handles):
             job.cancel()  # the client went away (or the stream broke): free its blocks
+        if not job.counted and not any(h.error for h in job.handles):
+            server.abandon(job)  # counted once the cancels have reached the engine
 
 
 async def _sse(server: Server, job: Job, tokenizer: Any, include_usage: bool, continuous: bool) -> AsyncIterator[str]:

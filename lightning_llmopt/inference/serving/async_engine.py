@@ -43,7 +43,8 @@ class QueueFull(RuntimeError):
 @dataclass
 class Handle:
     """What a handler reads: ``events`` (lists of :class:`StreamEvent` s), then ``None`` once the request is done;
-    ``completion`` (with its metrics) is set by then; ``error`` if the engine failed it."""
+    ``completion`` (with its metrics) is set by then; ``error`` if the engine failed it. ``ended`` turns true on the
+    event loop when that ``None`` is queued, whether or not anyone reads it (:meth:`when_ended`)."""
 
     request_id: str
     n: int
@@ -54,11 +55,20 @@ class Handle:
     error: str | None = None
     done: bool = False
     finished: set[int] = field(default_factory=set)
+    ended: bool = False
+    _on_end: list[Callable[[], None]] = field(default_factory=list)
 
     def cancel(self) -> None:
         """Cancel the request if it has not finished (the client went away)."""
         if not self.done:
             self.engine._command(("cancel", self.request_id))
+
+    def when_ended(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the event loop once the request has ended (now if it has)."""
+        if self.ended:
+            callback()
+        else:
+            self._on_end.append(callback)
 
 
 class AsyncEngine:
@@ -256,3 +266,8 @@ class AsyncEngine:
 def _put_all(items: list[tuple[Handle, list[StreamEvent] | None]]) -> None:
     for handle, item in items:
         handle.queue.put_nowait(item)
+        if item is None:
+            handle.ended = True
+            callbacks, handle._on_end = handle._on_end, []
+            for callback in callbacks:
+                callback()

@@ -8,7 +8,7 @@ name                                        type       meaning
 ``llmopt_kv_blocks_total``                  gauge      KV blocks of the pool (the null block excluded)
 ``llmopt_kv_blocks_free``                   gauge      KV blocks free, or held only by the prefix cache (evictable)
 ``llmopt_engine_ready``                     gauge      1 once the engine is built
-``llmopt_requests_total``                   counter    finished requests, by ``finish_reason`` (stop/length/abort)
+``llmopt_requests_total``                   counter    finished choices, by ``finish_reason`` (stop/length/abort)
 ``llmopt_requests_rejected_total``          counter    refused requests, by ``reason`` (invalid/unauthorized/...)
 ``llmopt_prompt_tokens_total``              counter    prompt tokens of finished requests
 ``llmopt_prompt_cached_tokens_total``       counter    of which served from the prefix cache
@@ -19,6 +19,9 @@ name                                        type       meaning
 ``llmopt_inter_token_latency_seconds``      histogram  between two streamed events of one choice, per token
 ``llmopt_e2e_request_latency_seconds``      histogram  from arrival to the last token
 ==========================================  =========  ==============================================================
+
+A request whose client goes away is cancelled and still counted, once: its unfinished choices with
+``finish_reason="abort"``, its prompt and the tokens generated until the cancel, its latency up to the disconnect.
 """
 
 from __future__ import annotations

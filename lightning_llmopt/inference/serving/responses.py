@@ -39,6 +39,7 @@ class Job:
     reasons: dict[int, str | None] = field(default_factory=dict)
     started: set[int] = field(default_factory=set)  # chat choices whose role chunk was sent
     generated: int = 0  # tokens streamed so far, all choices
+    counted: bool = False  # in the server's metrics already
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -69,6 +70,18 @@ class Job:
         finally:
             for t in tasks:
                 t.cancel()
+
+    def final_reasons(self) -> list[str]:
+        """Every choice's finish reason: as streamed, else the engine's (a job whose client went away is not read
+        to its end), else ``"abort"`` (cancelled before the engine reported it)."""
+        reasons = []
+        for prompt, h in enumerate(self.handles):
+            outputs = {o.index: o for o in h.completion.outputs} if h.completion is not None else {}
+            for i in range(self.n):
+                out = outputs.get(i)
+                engine = _FINISH.get(out.finish_reason or "", out.finish_reason) if out is not None else None
+                reasons.append(self.reasons.get(prompt * self.n + i) or engine or "abort")
+        return reasons
 
     def record(self, prompt: int, ev: StreamEvent) -> int:
         """Remember an event's text, logprobs and finish reason; returns its choice index."""
