@@ -10,17 +10,42 @@ token, so emitted text never splits a character (at the end of the sequence what
 Stop strings are searched in the text as it grows, across token boundaries: the search starts ``len(stop) - 1``
 characters before the new text. On a match the text is cut before it and the sequence stops. While streaming, the
 end of the text that could still be the beginning of a stop string is held back until it is known not to be.
+
+Special tokens (a Hugging Face tokenizer's added special tokens: ``<|im_start|>``, a BOS/EOS sampled under
+``ignore_eos``) are left out of the text unless ``skip_special_tokens=False`` (vLLM's default and field), through
+the tokenizer's own ``decode(ids, skip_special_tokens=...)``; a tokenizer whose ``decode`` takes no such argument
+(:class:`~lightning_llmopt.data.tokenizers.ByteTokenizer` always drops its specials) decodes as it does.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["TextState"]
+__all__ = ["TextState", "decode_text"]
 
 _PROMPT_CONTEXT = 5  # prompt tokens the first window starts with (a leading space of the first output token)
 _REPLACEMENT = "\ufffd"
+
+
+def _takes_skip(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.decode`` accepts ``skip_special_tokens`` (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(tokenizer.decode).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(p.name == "skip_special_tokens" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def decode_text(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """``tokenizer.decode(ids)``, with its special tokens left out when ``skip_special_tokens`` (and the tokenizer
+    takes the argument); ids at or past its ``vocab_size`` (a vocabulary padded for the model) are dropped."""
+    size = getattr(tokenizer, "vocab_size", None)
+    known = [t for t in ids if size is None or t < size]
+    if _takes_skip(tokenizer):
+        return str(tokenizer.decode(known, skip_special_tokens=skip_special_tokens))
+    return str(tokenizer.decode(known))
 
 
 class TextState:
@@ -30,11 +55,16 @@ class TextState:
         tokenizer: with ``decode(ids) -> str`` (and optionally ``vocab_size``: larger ids are skipped).
         prompt: the prompt's token ids (its last few start the decoding window).
         stop: stop strings.
+        skip_special_tokens: leave the tokenizer's special tokens out of the text.
     """
 
-    def __init__(self, tokenizer: Any, prompt: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt: Sequence[int], stop: Sequence[str] = (), skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.size = getattr(tokenizer, "vocab_size", None)
+        self.skip_special_tokens = skip_special_tokens
+        self._skip_kw = {"skip_special_tokens": skip_special_tokens} if _takes_skip(tokenizer) else {}
         self.ids = list(prompt[-_PROMPT_CONTEXT:])
         self.prefix = 0
         self.read = len(self.ids)
@@ -46,7 +76,7 @@ class TextState:
         self.failed = False  # the tokenizer raised: text is unknown from here on
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode([t for t in ids if self.size is None or t < self.size]))
+        return str(self.tokenizer.decode([t for t in ids if self.size is None or t < self.size], **self._skip_kw))
 
     def add(self, token: int) -> bool:
         """Append a sampled token; returns True when its text completes a stop string (the text is cut there)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_llmopt.inference.detokenize import TextState
+from lightning_llmopt.inference.detokenize import TextState, decode_text
 from lightning_llmopt.inference.request import Completion, CompletionOutput, Request, StreamEvent, now
 from lightning_llmopt.inference.request import Sequence as Seq
 from lightning_llmopt.inference.sampling import TokenLogprobs
@@ -43,7 +43,7 @@ class EngineOutputs:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now()
         if seq.text is None and self.tokenizer is not None:
-            seq.text = TextState(self.tokenizer, req.prompt_token_ids, p.stop)
+            seq.text = TextState(self.tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens)
         eos = self._end_ids() if not p.ignore_eos else ()
         reason = None
         start = seq.num_output
@@ -86,15 +86,14 @@ class EngineOutputs:
             self._end_cache = cached
         return cached[1]
 
-    def _decode(self, tokens: list[int]) -> str | None:
-        """Text of ``tokens``; ids the tokenizer does not know (a model vocabulary padded past the tokenizer's) are
-        skipped, and a tokenizer error gives ``None`` rather than breaking the step for every other request."""
+    def _decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str | None:
+        """Text of ``tokens`` (special tokens left out when ``skip_special_tokens``); ids the tokenizer does not know
+        (a model vocabulary padded past the tokenizer's) are skipped, and a tokenizer error gives ``None`` rather
+        than breaking the step for every other request."""
         if self.tokenizer is None:
             return None
-        size = getattr(self.tokenizer, "vocab_size", None)
-        known = [t for t in tokens if size is None or t < size]
         try:
-            return str(self.tokenizer.decode(known))
+            return decode_text(self.tokenizer, tokens, skip_special_tokens)
         except Exception:  # noqa: BLE001 - text is a convenience; token ids are the result
             return None
 
@@ -105,7 +104,11 @@ class EngineOutputs:
             CompletionOutput(
                 s.index,
                 s.output_tokens,
-                s.text.text if s.text is not None and not s.text.failed else self._decode(s.output_tokens),
+                (
+                    s.text.text
+                    if s.text is not None and not s.text.failed
+                    else self._decode(s.output_tokens, req.params.skip_special_tokens)
+                ),
                 s.finish_reason,
                 list(s.logprobs) if req.params.logprobs is not None else None,
             )

@@ -42,6 +42,8 @@ class SamplingParams:
             tokens' (``None``: off; 0 reports the sampled token's only; at most 20).
         stop: strings that end the sequence, matched on the detokenised text across token boundaries (the text
             is cut before the match).
+        skip_special_tokens: leave the tokenizer's special tokens (other than the stop tokens, which are never in
+            the output) out of the text (default, as in vLLM); ``False`` keeps them. Token ids are unaffected.
     """
 
     max_tokens: int = 16
@@ -58,6 +60,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -98,6 +101,8 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop ({list(stop)!r}) must be non-empty strings")
         object.__setattr__(self, "stop", stop)
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens ({self.skip_special_tokens!r}) must be a bool")
 
     @property
     def greedy(self) -> bool:

@@ -134,3 +134,26 @@ def test_generation_config_stop_ids_end_sequences(model_factory, prompts_factory
     out = engine.generate([prompt], SamplingParams(max_tokens=20))[0]
     assert out.token_ids == tokens[: tokens.index(stop)] and out.outputs[0].finish_reason == "stop"
     assert engine.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids == tokens
+
+
+def test_special_tokens_are_skipped_unless_asked(tmp_path):
+    """A Hugging Face tokenizer's special tokens (here ``<bos>``, id 256) are left out of the incremental text by
+    default and kept with ``skip_special_tokens=False``; either way the text equals the tokenizers library's own
+    decode of the whole sequence, streamed or not."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    from lightning_llmopt.data.tokenizers import load_tokenizer
+
+    ByteTokenizer().save_pretrained(tmp_path)
+    tok, reference = load_tokenizer(tmp_path), Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    bos = ByteTokenizer.BOS_ID
+    tokens = [*tok.encode("a é"), bos, *tok.encode("b"), bos, bos, *tok.encode("€")]  # specials between characters
+    for skip, special in ((True, ""), (False, "<bos>")):
+        state = TextState(tok, tok.encode("prompt"), skip_special_tokens=skip)
+        pieces = _stream(state, tokens)
+        expected = f"a é{special}b{special}{special}€"
+        assert "".join(pieces) == expected == state.text == reference.decode(tokens, skip_special_tokens=skip)
+        assert all("\ufffd" not in p for p in pieces)
+    plain = TextState(ByteTokenizer(), [], skip_special_tokens=False)  # a decode without the argument: as it is
+    assert "".join(_stream(plain, tokens)) == "a éb€"

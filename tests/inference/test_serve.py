@@ -473,3 +473,46 @@ def test_a_disconnected_stream_is_counted_as_abort(served):
     assert _delta(done, after, "llmopt_generation_tokens_total") == 6
     assert _delta(done, after, "llmopt_e2e_request_latency_seconds_count") == 2
 
+
+def test_special_tokens_are_skipped_in_text_unless_asked(tmp_path):
+    """A model that emits a special token (``<bos>`` of a Hugging Face byte-level tokenizer, made likely by copying
+    a greedy token's output row to it): by default the text leaves it out, with ``skip_special_tokens: false`` it
+    is in; streamed and whole responses, completions and chat (a template that renders the prompt as it is), agree
+    with the tokenizers library's decode."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    from lightning_llmopt.data.tokenizers import load_tokenizer
+
+    ByteTokenizer().save_pretrained(tmp_path)
+    tok, reference = load_tokenizer(tmp_path), Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    bos, prompt = ByteTokenizer.BOS_ID, "special"
+    ids_prompt = list(prompt.encode())  # what the chat template below renders, encoded without special tokens
+    model = tiny_model()
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=8)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = engine.generate([ids_prompt], greedy)[0].token_ids
+    with torch.no_grad():
+        model.output.weight[bos] = model.output.weight[first[2]] * 1.5
+    ids = engine.generate([ids_prompt], greedy)[0].token_ids
+    assert bos in ids and any(t < bos for t in ids[ids.index(bos) + 1 :]), ids  # text on both sides of it
+    known = [t for t in ids if t < tok.vocab_size]
+
+    template = "{{ messages[0]['content'] }}"
+    server = Server(LLMEngine(model, tok, num_blocks=64, block_size=8), "tiny", chat_template=template)
+    with running(server) as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", http_client=httpx.Client(trust_env=False))
+        for skip, extra in ((True, {}), (True, {"skip_special_tokens": True}), (False, {"skip_special_tokens": False})):
+            want = reference.decode(known, skip_special_tokens=skip)
+            assert ("<bos>" in want) is not skip
+            kw = dict(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True, **extra})
+            assert c.completions.create(prompt=ids_prompt, **kw).choices[0].text == want
+            chunks = c.completions.create(prompt=ids_prompt, stream=True, **kw)
+            assert "".join(ch.choices[0].text for ch in chunks) == want
+            messages = [{"role": "user", "content": prompt}]
+            assert c.chat.completions.create(messages=messages, **kw).choices[0].message.content == want
+            chunks = c.chat.completions.create(messages=messages, stream=True, **kw)
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"skip_special_tokens": 1})
+        assert _error(e)["param"] == "skip_special_tokens" and "expected bool" in _error(e)["message"]

@@ -5,8 +5,9 @@ naming it: nothing is silently ignored. A key sent as ``null`` counts as absent.
 (it changes nothing, as with OpenAI). Extensions beyond OpenAI's fields, as vLLM names them: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``add_special_tokens`` (whether text is encoded with the
 tokenizer's special tokens: true for completions, as transformers and ``llmopt generate`` encode text; false for
-chat, whose template writes them) and ``truncate_prompt_tokens`` (keep the prompt's last k tokens; -1: as many as fit
-beside ``max_tokens``); ``stop`` also takes token ids.
+chat, whose template writes them), ``truncate_prompt_tokens`` (keep the prompt's last k tokens; -1: as many as fit
+beside ``max_tokens``) and ``skip_special_tokens`` (leave the tokenizer's special tokens out of the text: true by
+default, as in vLLM); ``stop`` also takes token ids.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ __all__ = ["APIError", "ChatRequest", "CompletionRequest", "parse_chat", "parse_
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "user", "ignore_eos",
-    "add_special_tokens", "truncate_prompt_tokens",
+    "add_special_tokens", "truncate_prompt_tokens", "skip_special_tokens",
 }  # fmt: skip
 COMPLETION_FIELDS = frozenset(_SAMPLING | {"prompt", "logprobs"})
 CHAT_FIELDS = frozenset(_SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"})
@@ -154,6 +155,7 @@ def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) 
         logprobs=logprobs,
         stop=stop,
         stop_token_ids=stop_ids,
+        skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), True),
     )
     try:
         return SamplingParams(**kwargs)
