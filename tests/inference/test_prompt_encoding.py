@@ -240,9 +240,12 @@ def test_framework_errors_are_openai_error_objects(api, monkeypatch):
     routes = [rt for rt in api.http.app.routes if getattr(rt, "methods", None)]
     served = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
     assert {rt.path for rt in routes} >= served
-    for route in routes:  # every route, each method it does not take
+    for route in routes:  # every route, each method it does not take: the Allow header names those it does
         for method in sorted(methods - route.methods):
-            _is_openai_error(http.request(method, route.path), 405)
+            r = http.request(method, route.path)
+            err = _is_openai_error(r, 405)
+            assert err["code"] == "method_not_allowed" and route.path in err["message"]
+            assert {m.strip() for m in r.headers["allow"].split(",")} == route.methods, (route.path, r.headers)
 
     _is_openai_error(http.post("/v1/completions", content=b"{not json"), 400)
 
