@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from lightning_llmopt.models.config import LlamaConfig, RopeScaling
+from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.hf_deepseek import DEEPSEEK_ARCHITECTURES, deepseek_config_from_hf, deepseek_config_to_hf
 from lightning_llmopt.models.hf_patterns import check_mapped, pattern_from_hf, pattern_to_hf
+from lightning_llmopt.models.hf_rope import dtype_name, rope_from_hf, rope_to_hf
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -41,7 +42,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         max_window_layers=28,
     ),
 }
-_UNSCALED_ROPE = (None, "default")
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:
@@ -50,66 +50,6 @@ def _as_dict(hf_config: Any) -> dict[str, Any]:
     if hasattr(hf_config, "to_dict"):
         return dict(hf_config.to_dict())
     raise TypeError(f"hf_config must be a transformers PretrainedConfig or a dict, got {type(hf_config).__name__}")
-
-
-def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, rope_scaling)`` from either the 4.x or the 5.x spelling."""
-    params = cfg.get("rope_parameters")
-    if params is None:
-        params = dict(cfg.get("rope_scaling") or {})
-    else:
-        params = dict(params)
-        layer_types = set(cfg.get("layer_types") or ())
-        nested = [key for key in params if key in layer_types]
-        if nested:  # 5.x per-layer-type RoPE: accept it only when every layer type uses the same one
-            distinct = {repr(sorted(params[key].items())) for key in nested if params[key] is not None}
-            if len(distinct) != 1:
-                raise NotImplementedError(f"different RoPE per layer type is not supported: {params}")
-            params = dict(params[nested[0]])
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type"))
-    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    if partial is not None and float(partial) != 1.0:
-        raise NotImplementedError(f"partial_rotary_factor ({partial}) is not supported; only 1.0 is")
-    if rope_type in _UNSCALED_ROPE:
-        return theta, None
-    needs = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}.get(str(rope_type))
-    if needs is None:
-        raise NotImplementedError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3")
-    missing = [key for key in needs if key not in params]
-    if missing:
-        raise ValueError(f"rope type {rope_type!r} needs key(s) {missing}; got {params}")
-    if rope_type == "linear":
-        return theta, RopeScaling(type="linear", factor=float(params["factor"]))
-    original = params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-    return theta, RopeScaling(
-        type="llama3",
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(original),
-    )
-
-
-def _rope_to_hf(config: LlamaConfig) -> dict[str, Any]:
-    """The RoPE keys of a config.json, in the 4.x (``rope_theta``, ``rope_scaling``) and 5.x spellings at once."""
-    scaling = config.rope_scaling
-    if scaling is None:
-        legacy: dict[str, Any] | None = None
-        params: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    elif scaling.type == "linear":
-        legacy = {"rope_type": "linear", "factor": scaling.factor}
-        params = {**legacy, "rope_theta": config.rope_theta}
-    else:
-        legacy = {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        }
-        params = {**legacy, "rope_theta": config.rope_theta}
-    return {"rope_theta": config.rope_theta, "rope_scaling": legacy, "rope_parameters": params}
 
 
 def _check_supported(cfg: Mapping[str, Any], arch: str) -> None:
@@ -149,7 +89,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> tuple[LlamaConfig, str]:
     _check_supported(cfg, arch)
     cfg = {**_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None or k == "sliding_window"}}
     n_heads = int(cfg["num_attention_heads"])
-    theta, scaling = _rope_from_hf(cfg)
+    theta, scaling = rope_from_hf(cfg)
     values: dict[str, Any] = dict(
         vocab_size=int(cfg["vocab_size"]),
         dim=int(cfg["hidden_size"]),
@@ -170,10 +110,6 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> tuple[LlamaConfig, str]:
     )
     values.update(overrides)
     return LlamaConfig(**values), arch
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_arch(config: LlamaConfig, arch: str) -> None:
@@ -234,13 +170,13 @@ def config_to_hf(config: LlamaConfig, arch: str = "llama", dtype: torch.dtype = 
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
-        **_rope_to_hf(config),
+        **rope_to_hf(config),
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": config.init_std,
         "attention_dropout": 0.0,
         "use_cache": True,
-        "torch_dtype": _dtype_name(dtype),
-        "dtype": _dtype_name(dtype),
+        "torch_dtype": dtype_name(dtype),
+        "dtype": dtype_name(dtype),
     }
     if arch == "llama":
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)

@@ -1,7 +1,7 @@
 """Hugging Face interop for DeepSeek-V2/V3-style MLA models (transformers ``DeepseekV2*`` / ``DeepseekV3*``).
 
 What maps onto :class:`~lightning_llmopt.models.Llama` with ``config.mla``: the MLA attention (``q_lora_rank`` None
-or set), dense SwiGLU MLPs, RMSNorm, RoPE of the kinds :mod:`~lightning_llmopt.models.hf_config` reads (default,
+or set), dense SwiGLU MLPs, RMSNorm, RoPE of the kinds :mod:`~lightning_llmopt.models.hf_rope` reads (default,
 linear, llama3), tied or untied embeddings. What does not is refused by name before any weight is read:
 
 - DeepSeek MoE layers (``n_routed_experts`` with ``first_k_dense_replace < num_hidden_layers``): their dense-first
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_llmopt.models.config import LlamaConfig
+from lightning_llmopt.models.hf_rope import dtype_name, rope_from_hf, rope_to_hf
 from lightning_llmopt.models.mla_config import MLAConfig
 
 __all__ = [
@@ -86,10 +87,8 @@ def _check_supported(cfg: Mapping[str, Any]) -> None:
 def deepseek_config_from_hf(cfg: dict[str, Any], **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` with ``mla`` from a DeepSeek-V2/V3 ``config.json`` dict (module docstring for what is
     refused)."""
-    from lightning_llmopt.models.hf_config import _rope_from_hf
-
     _check_supported(cfg)
-    theta, scaling = _rope_from_hf({"max_position_embeddings": 2048, **cfg})
+    theta, scaling = rope_from_hf({"max_position_embeddings": 2048, **cfg})
     mla = MLAConfig(
         kv_lora_rank=int(cfg["kv_lora_rank"]),
         qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
@@ -120,8 +119,6 @@ def deepseek_config_from_hf(cfg: dict[str, Any], **overrides: Any) -> LlamaConfi
 
 def deepseek_config_to_hf(config: LlamaConfig, arch: str, dtype: torch.dtype) -> dict[str, Any]:
     """A DeepSeek-V2/V3 ``config.json`` dict for an MLA ``config`` (every layer dense)."""
-    from lightning_llmopt.models.hf_config import _dtype_name, _rope_to_hf
-
     mla = config.mla
     if mla is None:
         raise ValueError(f"arch {arch!r} needs an MLA model (config.mla is None)")
@@ -145,15 +142,15 @@ def deepseek_config_to_hf(config: LlamaConfig, arch: str, dtype: torch.dtype) ->
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
-        **_rope_to_hf(config),
+        **rope_to_hf(config),
         "tie_word_embeddings": config.tie_embeddings,
         "initializer_range": config.init_std,
         "attention_bias": False,
         "mlp_bias": False,
         "attention_dropout": 0.0,
         "use_cache": True,
-        "torch_dtype": _dtype_name(dtype),
-        "dtype": _dtype_name(dtype),
+        "torch_dtype": dtype_name(dtype),
+        "dtype": dtype_name(dtype),
     }
     if arch == "deepseek_v3":
         out["rope_interleave"] = True
