@@ -3,7 +3,8 @@
 Layers (CONVENTIONS.md, "three layers per kernel"):
 
 - the Triton kernels and launcher, :mod:`~lightning_llmopt.kernels.quant_matmul_fwd` (the tensor-core kernel and
-  the launcher; the batch-1 kernels in ``quant_matmul_gemv``, shared pieces in ``quant_matmul_tiles``; imported on
+  the launcher; the batch-1 kernels in ``quant_matmul_gemv``, shared pieces in ``quant_matmul_tiles``, the
+  configuration choice and ``qmm_fwd`` (launch with the chosen configuration) in ``quant_matmul_tune``; imported on
   first use, so importing this module imports no Triton);
 - the custom op ``lightning_llmopt::quant_matmul`` with a fake (meta) implementation, so ``torch.compile`` traces
   through it;
@@ -45,7 +46,7 @@ def quant_matmul_op(
     x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, split_k: int
 ) -> Tensor:
     """Triton kernel: ``x`` ``(M, K)`` -> ``(M, N)``; ``split_k <= 0`` lets the launcher choose."""
-    from lightning_llmopt.kernels.quant_matmul_fwd import qmm_fwd
+    from lightning_llmopt.kernels.quant_matmul_tune import qmm_fwd  # imports Triton (optional dependency)
 
     codes = as_kernel_bytes(qweight, bits, x.shape[1])
     return qmm_fwd(x, codes, scales, zeros, bits, split_k=split_k if split_k > 0 else None)
@@ -172,6 +173,6 @@ def quant_matmul(
 
 @functools.cache
 def _launcher():  # type: ignore[no-untyped-def]
-    from lightning_llmopt.kernels.quant_matmul_fwd import qmm_fwd
+    from lightning_llmopt.kernels.quant_matmul_tune import qmm_fwd  # imports Triton (optional dependency)
 
     return qmm_fwd

@@ -312,26 +312,4 @@ def launch(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int
     return y.to(x.dtype) if atomic else y
 
 
-def qmm_fwd(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, split_k: int | None = None,
-            config: KernelConfig | None = None) -> Tensor:
-    """``x @ dequant(W)^T`` through the kernels.
-
-    Arguments:
-        x: ``(M, K)`` fp16/bf16/fp32 with a contiguous last dim.
-        w: uint8 codes, ``(N, K)`` for 8 bits or ``(N, K / 2)`` for 4 bits, contiguous last dim.
-        scales: ``(N, K / G)``, contiguous; one column means per-channel.
-        zeros: uint8 like ``scales``, or ``None`` (symmetric).
-        split_k: force the tensor-core kernel with this split (tests); ``None``: chosen per shape.
-        config: force a full :class:`KernelConfig`.
-    """
-    from lightning_llmopt.kernels.quant_matmul_tune import choose_config
-
-    k = x.shape[1]
-    groups = scales.shape[1]
-    group = 0 if groups == 1 else k // groups
-    if config is None:
-        config = choose_config(x, w, scales, zeros, bits, group, split_k)
-    return launch(x, w, scales, zeros, bits, group, config)
-
-
-__all__ = ["KernelConfig", "launch", "qmm_fwd"]
+__all__ = ["KernelConfig", "launch"]

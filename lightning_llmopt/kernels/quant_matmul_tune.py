@@ -1,4 +1,5 @@
-"""Configuration choice for the quantized matmul kernels (:mod:`~lightning_llmopt.kernels.quant_matmul_fwd`).
+"""Configuration choice for the quantized matmul kernels (:mod:`~lightning_llmopt.kernels.quant_matmul_fwd`), and
+:func:`qmm_fwd`, their launch with the chosen configuration.
 
 On a GPU every candidate of a shape is timed once per (device, M bucket, N, K, bits, group, zero points, dtype)
 and the fastest is cached; a candidate whose output differs from an fp32 dequantize-and-multiply of the same inputs
@@ -371,4 +372,24 @@ def set_store(store: Any) -> Any:
     return previous
 
 
-__all__ = ["STORE", "TIMINGS", "TUNED", "TUNE_STATS", "candidate_configs", "choose_config", "set_store"]
+def qmm_fwd(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, split_k: int | None = None,
+            config: KernelConfig | None = None) -> Tensor:
+    """``x @ dequant(W)^T`` through the kernels.
+
+    Arguments:
+        x: ``(M, K)`` fp16/bf16/fp32 with a contiguous last dim.
+        w: uint8 codes, ``(N, K)`` for 8 bits or ``(N, K / 2)`` for 4 bits, contiguous last dim.
+        scales: ``(N, K / G)``, contiguous; one column means per-channel.
+        zeros: uint8 like ``scales``, or ``None`` (symmetric).
+        split_k: force the tensor-core kernel with this split (tests); ``None``: chosen per shape.
+        config: force a full :class:`KernelConfig`.
+    """
+    k = x.shape[1]
+    groups = scales.shape[1]
+    group = 0 if groups == 1 else k // groups
+    if config is None:
+        config = choose_config(x, w, scales, zeros, bits, group, split_k)
+    return launch(x, w, scales, zeros, bits, group, config)
+
+
+__all__ = ["STORE", "TIMINGS", "TUNED", "TUNE_STATS", "candidate_configs", "choose_config", "qmm_fwd", "set_store"]
