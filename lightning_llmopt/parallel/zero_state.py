@@ -1,5 +1,8 @@
 """Reshardable checkpoints of :class:`~lightning_llmopt.parallel.zero.ZeroOptimizer`.
 
+The functions take the optimizer as a :class:`ShardedOptimizer` (the attributes they read), so this module sits
+below ``zero.py``, which calls them.
+
 Format (``"format": "llmopt-zero/1"``), plain dicts of CPU tensors::
 
     {"format": ..., "world_size": N, "rank": r,
@@ -19,20 +22,41 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from lightning_llmopt.parallel.zero import ZeroOptimizer
     from lightning_llmopt.parallel.zero_buckets import Bucket
 
 FORMAT = "llmopt-zero/1"
 
 
-def _groups(opt: ZeroOptimizer) -> list[dict[str, Any]]:
+class ShardedOptimizer(Protocol):
+    """What these functions use of a :class:`~lightning_llmopt.parallel.zero.ZeroOptimizer`."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def buckets(self) -> list[Bucket]: ...
+    @property
+    def group_names(self) -> list[list[str]]: ...
+    @property
+    def group_options(self) -> list[dict[str, Any]]: ...
+    @property
+    def process_group(self) -> Any: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    def _push_params(self) -> None: ...
+
+
+def _groups(opt: ShardedOptimizer) -> list[dict[str, Any]]:
     live = iter(opt.optimizer.param_groups)
     out = []
     for gi, names in enumerate(opt.group_names):
@@ -51,7 +75,7 @@ def _slice(value: Any, start: int, n: int, shard_size: int) -> Any:
     return value.detach().reshape(-1)[start: start + n].cpu().clone()
 
 
-def sharded_state_dict(opt: ZeroOptimizer) -> dict[str, Any]:
+def sharded_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for b in opt.buckets:
         state = opt.optimizer.state.get(b.master, {})
@@ -64,7 +88,7 @@ def sharded_state_dict(opt: ZeroOptimizer) -> dict[str, Any]:
             "params": params}
 
 
-def _gather_to_rank0(opt: ZeroOptimizer, shard: Tensor) -> Tensor | None:
+def _gather_to_rank0(opt: ShardedOptimizer, shard: Tensor) -> Tensor | None:
     x = shard.detach().reshape(-1).to(opt.device)
     if opt.world_size == 1:
         return x.cpu().clone()
@@ -75,7 +99,7 @@ def _gather_to_rank0(opt: ZeroOptimizer, shard: Tensor) -> Tensor | None:
     return torch.cat(parts).cpu() if parts is not None else None
 
 
-def full_state_dict(opt: ZeroOptimizer) -> dict[str, Any]:
+def full_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     """Gather, bucket by bucket, every shard's master weights and per-element state to rank 0."""
     params: dict[str, Any] = {}
     for b in opt.buckets:
@@ -146,7 +170,7 @@ def _bucket_state(b: Bucket, pieces: dict[str, list[Mapping[str, Any]]], master:
 
 
 @torch.no_grad()
-def load_state_dict(opt: ZeroOptimizer, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+def load_state_dict(opt: ShardedOptimizer, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
     shards = _as_list(state)
     saved = [list(g["param_names"]) for g in shards[0]["param_groups"]]
     if saved != opt.group_names:
