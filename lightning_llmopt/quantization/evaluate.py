@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_llmopt.quantization.apply import _model_device, _to, default_forward
+from lightning_llmopt.quantization.apply import default_forward
+from lightning_llmopt.quantization.calibration import _model_device, _to
 
 IGNORE_INDEX = -100
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_llmopt.quantization.apply import (
+from lightning_llmopt.quantization.calibration import (
     QuantizationReport,
     _model_device,
     _StopForward,
