@@ -34,10 +34,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from lightning_llmopt.kernels.flash_attention_common import Geometry
-from lightning_llmopt.kernels.flash_attention_fwd_ws import (
+from lightning_llmopt.kernels.flash_attention_ws_parts import (
     _LOG2E,
     LAUNCHES,
-    WsPlan,
     _plain_loop,
     _tma_load,
     fresh_rows,
@@ -46,6 +45,7 @@ from lightning_llmopt.kernels.flash_attention_fwd_ws import (
     row_bounds,
     write_rows,
 )
+from lightning_llmopt.kernels.flash_attention_ws_plan import WsPlan
 
 
 @gluon.jit
