@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_llmopt.models.attention import AttentionMask, _sdpa, register_backend, registered_backends
+from lightning_llmopt.models.attention_registry import AttentionMask, _sdpa, register_backend, registered_backends
 
 _CACHE_ATTR = "_flex_block_mask"
 

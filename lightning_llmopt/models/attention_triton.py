@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_llmopt.models.attention import (
+from lightning_llmopt.models.attention_registry import (
     AttentionMask,
     _sdpa,
     positions_from_doc_ids,
