@@ -6,6 +6,9 @@ pipeline stages can drop blocks (and the embedding, final norm or head, set to `
 
 Parameter names: ``tok_embeddings``, ``layers.{i}.attention_norm``, ``layers.{i}.attention.{wq,wk,wv,wo}``,
 ``layers.{i}.ffn_norm``, ``layers.{i}.feed_forward.{w1 (gate), w2 (down), w3 (up)}``, ``norm``, ``output``.
+
+:class:`RMSNorm` and :class:`FeedForward` are defined in :mod:`~lightning_llmopt.models.blocks` (shared with
+:mod:`~lightning_llmopt.models.mla` and :mod:`~lightning_llmopt.models.moe`) and importable from here.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmopt.models.attention import AttentionMask, attention
+from lightning_llmopt.models.blocks import FeedForward, RMSNorm
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.init import draw_base_seed, init_param_, local_tensor, to_empty
 from lightning_llmopt.models.kv_cache import KVCache
 from lightning_llmopt.models.layer_pattern import SharedKV, attended_keys, layer_windows
+from lightning_llmopt.models.mla import MLAttention
+from lightning_llmopt.models.moe import MoEFeedForward
 from lightning_llmopt.models.rope import apply_rope, rope_table
 
 KernelStep = Callable[[nn.Module], object]
@@ -34,23 +40,6 @@ def set_kernel_step(step: KernelStep) -> None:
     rather than imported: :mod:`lightning_llmopt.optimize` registers its step when imported."""
     global _KERNEL_STEP
     _KERNEL_STEP = step
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich, arXiv 1910.07467), computed in fp32."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 class Attention(nn.Module):
@@ -140,19 +129,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` (Shazeer, arXiv 2002.05202)."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, config: LlamaConfig, layer_id: int) -> None:
         super().__init__()
@@ -160,16 +136,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention: nn.Module
         if config.mla is not None:  # multi-head latent attention (DeepSeek-V2/V3)
-            from lightning_llmopt.models.mla import MLAttention
-
             self.attention = MLAttention(config, layer_id)
         else:
             self.attention = Attention(config, layer_id)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward: nn.Module
         if config.moe is not None and config.moe.is_moe_layer(layer_id):
-            from lightning_llmopt.models.moe import MoEFeedForward
-
             self.feed_forward = MoEFeedForward(config.dim, config.ffn_hidden_dim, config.moe)
         else:
             self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)

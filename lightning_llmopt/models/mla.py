@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmopt.models.attention import AttentionMask, attention
+from lightning_llmopt.models.blocks import RMSNorm
 from lightning_llmopt.models.config import LlamaConfig
 from lightning_llmopt.models.kv_cache import KVCache
 from lightning_llmopt.models.rope import apply_rope
@@ -72,13 +73,9 @@ class MLAttention(nn.Module):
         if mla.q_lora_rank is None:
             self.wq = nn.Linear(config.dim, qk, bias=False)
         else:
-            from lightning_llmopt.models.llama import RMSNorm
-
             self.wq_a = nn.Linear(config.dim, mla.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(mla.q_lora_rank, config.norm_eps)
             self.wq_b = nn.Linear(mla.q_lora_rank, qk, bias=False)
-        from lightning_llmopt.models.llama import RMSNorm
-
         self.wkv_a = nn.Linear(config.dim, self.r + self.d_r, bias=False)
         self.kv_norm = RMSNorm(self.r, config.norm_eps)
         self.wkv_b = nn.Linear(self.r, self.n_heads * (self.d_n + self.d_v), bias=False)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llmopt.kernels.grouped_gemm import grouped_mm
+from lightning_llmopt.models.blocks import FeedForward
 from lightning_llmopt.models.init import draw_base_seed, init_param_
 from lightning_llmopt.models.moe_config import MoEConfig
 from lightning_llmopt.models.moe_routing import Routing, aux_balance_loss, kept_assignments, load_stats, route, z_loss
@@ -141,8 +142,6 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, dim: int, dense_hidden_dim: int, config: MoEConfig) -> None:
         super().__init__()
-        from lightning_llmopt.models.llama import FeedForward
-
         self.config = config
         self.num_experts = config.num_experts
         hidden = config.expert_hidden_dim or dense_hidden_dim
