@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
+from lightning_llmopt._triton_env import triton_available, triton_interpreter_enabled
 from lightning_llmopt.kernels.flash_attention_common import geometry
 from lightning_llmopt.kernels.flash_attention_ref import flash_attention_ref
-from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
 
 __all__ = ["FlashAttnFunction", "flash_attention", "resolve_backend"]
 

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
+from lightning_llmopt._triton_env import triton_available, triton_interpreter_enabled
 
 __all__ = ["BACKENDS", "ENV", "autocast_dtype", "next_pow2", "resolve_backend", "use_interpreter"]
 

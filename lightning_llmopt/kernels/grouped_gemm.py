@@ -22,7 +22,7 @@ import os
 import torch
 from torch import Tensor
 
-from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
+from lightning_llmopt._triton_env import triton_available, triton_interpreter_enabled
 
 __all__ = ["GroupedMM", "grouped_mm", "grouped_mm_ref", "grouped_mm_torch"]
 

@@ -23,8 +23,8 @@ import os
 import torch
 from torch import Tensor
 
+from lightning_llmopt._triton_env import triton_available, triton_interpreter_enabled
 from lightning_llmopt.kernels.paged_attention_ref import paged_attention_ref
-from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
 
 __all__ = ["choose_splits", "paged_attention", "resolve_paged_backend"]
 

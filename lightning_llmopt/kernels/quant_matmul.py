@@ -30,9 +30,9 @@ import os
 import torch
 from torch import Tensor
 
+from lightning_llmopt._triton_env import triton_available, triton_interpreter_enabled
 from lightning_llmopt.kernels.quant_matmul_ref import dequantize_packed, quant_matmul_ref
-from lightning_llmopt.quantization.packing import as_kernel_bytes
-from lightning_llmopt.testing.triton import triton_available, triton_interpreter_enabled
+from lightning_llmopt.kernels.quant_packing import as_kernel_bytes
 
 __all__ = ["QuantMatmulFunction", "kernel_supports", "quant_matmul", "resolve_quant_backend"]
 
@@ -148,7 +148,7 @@ def quant_matmul(
     Arguments:
         x: ``(M, K)`` fp16/bf16/fp32 activations.
         qweight: int32 ``(N, ceil(K * bits / 32))``, codes packed along ``K``
-            (:mod:`lightning_llmopt.quantization.packing`).
+            (:mod:`lightning_llmopt.kernels.quant_packing`).
         scales: ``(N, K / G)`` (any float dtype; ``K / G = 1`` is per-channel).
         zeros: uint8 ``(N, K / G)`` zero-point codes, or ``None`` for symmetric (zero ``2**(bits-1)``).
         bits: code width (the kernel: 4 or 8; other widths run the reference).

@@ -4,7 +4,7 @@ Two kernels, chosen per shape by :mod:`~lightning_llmopt.kernels.quant_matmul_tu
 
 - ``_qmm_kernel`` (tensor cores): one program owns a ``BLOCK_M x BLOCK_N`` output tile and a slice of ``K``;
   per ``BLOCK_K`` step it loads the code tile (int8 ``(BLOCK_N, BLOCK_K)`` bytes; int4 ``(BLOCK_N, BLOCK_K / 2)``
-  bytes, low nibble = even input column, high nibble = odd, :mod:`lightning_llmopt.quantization.packing`) and the
+  bytes, low nibble = even input column, high nibble = odd, :mod:`lightning_llmopt.kernels.quant_packing`) and the
   activations, and adds ``x @ (q - z)^T * scale`` to an fp32 accumulator. int4 nibble planes are not interleaved
   back: the activations are loaded as their even and odd columns instead (``x`` is tiny) and the tile is two
   ``tl.dot`` of ``BLOCK_K / 2``. Batch 1 runs a 16-row dot with 15 masked rows.

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference of :func:`lightning_llmopt.kernels.quant_matmul`: the CPU fallback and the test oracle.
 
 ``y = x @ dequant(W)^T`` for a weight stored as packed integer codes (layout:
-:mod:`lightning_llmopt.quantization.packing`), with
+:mod:`lightning_llmopt.kernels.quant_packing`), with
 
     dequant(W)[n, k] = (code[n, k] - zero[n, k // G]) * scale[n, k // G],   G = K / scales.shape[1]
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_llmopt.quantization.packing import unpack_bits
+from lightning_llmopt.kernels.quant_packing import unpack_bits
 
 __all__ = ["dequantize_packed", "quant_matmul_ref"]
 

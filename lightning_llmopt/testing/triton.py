@@ -9,15 +9,23 @@ variable was set keeps compiling for the GPU. Set it before importing kernel mod
 does so at import time whenever CUDA is absent, via :func:`enable_interpreter_without_cuda`.
 :func:`triton_interpret` only helps for kernels decorated inside the ``with`` block.
 
-This module never imports ``triton`` at import time.
+The availability flags (:func:`triton_available`, :func:`triton_interpreter_available`,
+:func:`triton_interpreter_enabled`) live in :mod:`lightning_llmopt._triton_env`, which the kernels import, and are
+re-exported here. This module never imports ``triton`` at import time.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from lightning_llmopt._triton_env import (
+    _ENV,
+    triton_available,
+    triton_interpreter_available,
+    triton_interpreter_enabled,
+)
 
 __all__ = [
     "enable_interpreter_without_cuda",
@@ -26,28 +34,6 @@ __all__ = [
     "triton_interpreter_available",
     "triton_interpreter_enabled",
 ]
-
-_ENV = "TRITON_INTERPRET"
-
-
-def triton_available() -> bool:
-    """Whether the ``triton`` package is installed (not imported)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_interpreter_available() -> bool:
-    """Whether the installed Triton ships the interpreter (``triton.runtime.interpreter``)."""
-    if not triton_available():
-        return False
-    try:
-        return importlib.util.find_spec("triton.runtime.interpreter") is not None
-    except ImportError:
-        return False
-
-
-def triton_interpreter_enabled() -> bool:
-    """Whether kernels decorated from now on will run in the interpreter."""
-    return os.environ.get(_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 @contextmanager
