@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_llmopt.parallel import zero_fsdp
 from lightning_llmopt.parallel.compile import compile_blocks
 from lightning_llmopt.parallel.context_parallel import CP_MODES, ContextParallelAttention, apply_cp, validate_cp
 from lightning_llmopt.parallel.data_parallel import all_reduce_gradients, broadcast_parameters
@@ -298,8 +299,6 @@ def _fully_shard_experts(module: nn.Module, mesh: Any, dims: ParallelDims, confi
 def _fully_shard(module: nn.Module, done: Parallelized, dp_mesh: Any, config: NDConfig) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from lightning_llmopt.strategies.zero_fsdp import register_forward_methods, shard_module
-
     kwargs: dict[str, Any] = {
         "offload_parameters": config.offload_parameters,
         "param_dtype": config.param_dtype,
@@ -307,7 +306,8 @@ def _fully_shard(module: nn.Module, done: Parallelized, dp_mesh: Any, config: ND
         "reshard_after_forward": config.reshard_after_forward,
     }
     if _family(module) is None:
-        shard_module(module, dp_mesh, **kwargs)  # blocks, then each top-level child (a LightningModule's model)
+        # blocks, then each top-level child (a LightningModule's model)
+        zero_fsdp.shard_module(module, dp_mesh, **kwargs)
         return
     offload: Any = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if config.offload_parameters else OffloadPolicy()
@@ -322,7 +322,7 @@ def _fully_shard(module: nn.Module, done: Parallelized, dp_mesh: Any, config: ND
             mp_policy=policy,
             reshard_after_forward=config.reshard_after_forward,
         )
-    register_forward_methods([module])  # Llama.loss / hidden_states enter through the root's hooks too
+    zero_fsdp.register_forward_methods([module])  # Llama.loss / hidden_states enter through the root's hooks too
 
 
 @torch.no_grad()
@@ -338,8 +338,6 @@ def materialize(
 
     ``buffer_device``: where buffers (RoPE tables) go when parameters are offloaded to the CPU (default ``device``).
     """
-    from lightning_llmopt.strategies.zero_fsdp import materialize as allocate
-
     # Only what is on the meta device: `to_empty` on a whole LightningModule would also replace the states of its
     # torchmetrics metrics (not meta) with uninitialised memory. A model with its own `init_weights` is allocated as
     # one piece (through a holder, so that its `init_weights` runs), anything else child by child.
@@ -348,7 +346,7 @@ def materialize(
         if _is_meta(target):
             holder = nn.Module()
             holder.add_module("target", target)
-            allocate(holder, device, buffer_device=buffer_device)
+            zero_fsdp.materialize(holder, device, buffer_device=buffer_device)
             _reset_hf_rotary(target, buffer_device or device)
     broadcast_parameters(module, mesh, "tp")  # replicated over tp (init is already equal: a guard for user init)
     if not fsdp:

@@ -1,4 +1,5 @@
-"""Stage 3 of :class:`~lightning_llmopt.strategies.ZeroStrategy`: FSDP2 ``fully_shard`` from a meta-device model.
+"""FSDP2 ``fully_shard`` from a meta-device model: stage 3 of :class:`~lightning_llmopt.strategies.ZeroStrategy`
+and the data-parallel sharding of :func:`~lightning_llmopt.parallel.parallelize`.
 
 1. ``configure_model`` builds the model on the meta device (the strategy's ``tensor_init_context``).
 2. :func:`shard_module` applies ``fully_shard`` to the token embedding, to every transformer block (the values of
@@ -268,3 +269,16 @@ def memory_bytes(module: nn.Module, optimizers: list[Any]) -> dict[str, int]:
         "optimizer_state": state,
         "master_weights": 0,
     }
+
+
+__all__ = [
+    "edge_modules",
+    "fsdp_units",
+    "local",
+    "materialize",
+    "memory_bytes",
+    "no_gradient_sync",
+    "register_forward_methods",
+    "shard_module",
+    "transformer_blocks",
+]

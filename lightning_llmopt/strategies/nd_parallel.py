@@ -394,7 +394,7 @@ class NDParallelStrategy(PipelineSteps, ZeroStrategy):
 
     @override
     def memory_bytes(self) -> dict[str, int]:
-        from lightning_llmopt.strategies import zero_fsdp
+        from lightning_llmopt.parallel import zero_fsdp
 
         if self.stage in (1, 2):
             return super().memory_bytes()

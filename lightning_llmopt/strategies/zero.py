@@ -6,7 +6,7 @@ A thin adapter: it subclasses Lightning's public ``DDPStrategy`` for launchers (
 - Stages 1/2: parameters are broadcast from rank 0, the optimizers from ``configure_optimizers`` are wrapped with
   :func:`~lightning_llmopt.parallel.zero.apply_zero` and LR schedulers are re-pointed at the inner optimizer;
   Lightning's backward-sync blocking (gradient accumulation) maps to ``ZeroOptimizer.no_sync()``.
-- Stage 3: the model is built on the meta device and sharded with FSDP2 (:mod:`.zero_fsdp`).
+- Stage 3: the model is built on the meta device and sharded with FSDP2 (:mod:`lightning_llmopt.parallel.zero_fsdp`).
 - Precision, loss scaling and clipping: :class:`.zero_precision.ZeroPrecision`.
 - Checkpoints: sharded and atomic through :mod:`lightning_llmopt.parallel.checkpoint` on every rank, in the
   stage-independent layout of :mod:`.zero_checkpoint` (DCP glue: :mod:`.zero_dcp`); they reshard across world sizes
@@ -29,10 +29,10 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_llmopt.parallel import zero_fsdp
 from lightning_llmopt.parallel.loss_scaler import DynamicLossScaler
 from lightning_llmopt.parallel.zero import ZeroOptimizer, apply_zero
 from lightning_llmopt.strategies import zero_checkpoint as zc
-from lightning_llmopt.strategies import zero_fsdp
 from lightning_llmopt.strategies.zero_dcp import (
     load_dcp_state,
     model_state,

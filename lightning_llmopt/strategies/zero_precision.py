@@ -113,6 +113,6 @@ class ZeroPrecision(Precision):
 
 
 def _local_grads(optimizer: torch.optim.Optimizer) -> list[Tensor | None]:
-    from lightning_llmopt.strategies.zero_fsdp import local
+    from lightning_llmopt.parallel.zero_fsdp import local
 
     return [local(p.grad) if p.grad is not None else None for g in optimizer.param_groups for p in g["params"]]
