@@ -31,8 +31,11 @@ _REPLACEMENT = "\ufffd"
 
 def _takes_skip(tokenizer: Any) -> bool:
     """Whether ``tokenizer.decode`` accepts ``skip_special_tokens`` (by name or through ``**kwargs``)."""
+    decode = getattr(tokenizer, "decode", None)
+    if decode is None:
+        return False
     try:
-        params = inspect.signature(tokenizer.decode).parameters.values()
+        params = inspect.signature(decode).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature
         return False
     return any(p.name == "skip_special_tokens" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

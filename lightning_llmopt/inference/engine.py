@@ -78,6 +78,11 @@ class LLMEngine(EngineOutputs):
             config = EngineConfig(**{**config.__dict__, **overrides})
         if not isinstance(model, Llama):
             raise TypeError(f"LLMEngine serves a lightning_llmopt Llama, got {type(model).__name__}")
+        if isinstance(tokenizer, EngineConfig):
+            raise TypeError(
+                "LLMEngine(model, tokenizer, config): got an EngineConfig as the tokenizer; pass it as "
+                "config=EngineConfig(...)"
+            )
         self.config = config
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -169,3 +169,8 @@ def test_triton_kernels_in_interpreter(model_factory, reference, prompts_factory
     engine.runner.linear.force = True
     _run(engine, model, prompts[1:2], reference, [6])
     assert engine.runner.linear.fused_calls > 0
+
+
+def test_an_engine_config_passed_as_the_tokenizer_is_named(model_factory):
+    with pytest.raises(TypeError, match="got an EngineConfig as the tokenizer; pass it as config="):
+        LLMEngine(model_factory(), EngineConfig(num_blocks=32, block_size=8))

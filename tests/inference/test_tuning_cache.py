@@ -232,7 +232,7 @@ import torch
 
 torch.manual_seed(0)
 model = Llama(LlamaConfig.from_preset("tiny")).eval()
-engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=8, max_num_seqs=2, max_model_len=64))
+engine = LLMEngine(model, config=EngineConfig(num_blocks=32, block_size=8, max_num_seqs=2, max_model_len=64))
 out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
 assert len(out[0].outputs[0].token_ids) == 4, out
 assert "triton" not in sys.modules
