@@ -3,7 +3,8 @@
 - :class:`LLMEngine` (``generate``, ``stream``, ``add_request``/``step``/``cancel``), built from a model in memory or
   with :meth:`LLMEngine.from_pretrained` from our checkpoint folders, a Lightning ``.ckpt`` or a Hugging Face folder;
 - :class:`SamplingParams`: greedy, temperature, top-k, top-p, min-p, penalties, seed, max tokens, stop tokens and
-  strings, logprobs, parallel samples; :func:`sample_batch` is the batched device sampler;
+  strings, logprobs, parallel samples, :class:`StructuredOutput` (JSON schema, JSON object, regex, choice,
+  grammar); :func:`sample_batch` is the batched device sampler;
 - :class:`EngineConfig`: block size, pool size, token budget, int8 KV, prefix caching, CUDA graphs, policy;
 - :class:`SpeculativeConfig` (``EngineConfig.speculative``): speculative decoding with a draft model, prompt lookup
   or the target's quantized copy, adaptive draft length; :func:`speculative_verify` is the exact acceptance rule;
@@ -28,6 +29,7 @@ from lightning_llmopt.inference.sampling import SamplingParams, TokenLogprobs, s
 from lightning_llmopt.inference.scheduler import Scheduler
 from lightning_llmopt.inference.speculative import SpeculativeConfig, speculative_verify
 from lightning_llmopt.inference.stats import EngineStats
+from lightning_llmopt.inference.structured_output import StructuredOutput
 
 __all__ = [
     "NULL_BLOCK",
@@ -48,6 +50,7 @@ __all__ = [
     "Scheduler",
     "SpeculativeConfig",
     "StreamEvent",
+    "StructuredOutput",
     "TokenLogprobs",
     "calibrate_kv_scales",
     "load_model",

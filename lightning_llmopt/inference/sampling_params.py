@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+from lightning_llmopt.inference.structured_output import StructuredOutput
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "StructuredOutput"]
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a token may report (OpenAI's limit)
 
@@ -44,6 +46,10 @@ class SamplingParams:
             is cut before the match).
         skip_special_tokens: leave the tokenizer's special tokens (other than the stop tokens, which are never in
             the output) out of the text (default, as in vLLM); ``False`` keeps them. Token ids are unaffected.
+        structured_output: a :class:`StructuredOutput` the text must follow (a JSON schema, any JSON object, a
+            regular expression, choices or a grammar): tokens that cannot continue it are masked before the draw,
+            and the sequence ends once the text is complete (docs/structured_output.md). Needs the ``serve`` extra
+            (llguidance).
     """
 
     max_tokens: int = 16
@@ -61,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -103,6 +110,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens ({self.skip_special_tokens!r}) must be a bool")
+        so = self.structured_output
+        if so is not None and not isinstance(so, StructuredOutput):
+            raise ValueError(f"structured_output ({so!r}) must be None or a StructuredOutput")
 
     @property
     def greedy(self) -> bool:
@@ -115,9 +125,10 @@ class SamplingParams:
 
     @property
     def plain(self) -> bool:
-        """No penalty, min-p or logprobs: the token depends on the logits through temperature, top-k and top-p
-        only, which the multi-step, speculative and device-round paths implement (others take the full sampler)."""
-        return not self.penalised and self.min_p == 0 and self.logprobs is None
+        """No penalty, min-p, logprobs or structured output: the token depends on the logits through temperature,
+        top-k and top-p only, which the multi-step, speculative and device-round paths implement (others take the
+        full sampler)."""
+        return not self.penalised and self.min_p == 0 and self.logprobs is None and self.structured_output is None
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if a stop token lies outside the vocabulary."""
