@@ -87,6 +87,10 @@ class ByteTokenizer:
         """Like :meth:`encode`, as a ``uint8`` array of shape ``(num_bytes,)`` without a Python loop."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (the byte itself; the special tokens' names), as grammar libraries read a vocabulary."""
+        return [bytes([i]) for i in range(256)] + [b"<bos>", b"<eos>"]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Decodes byte ids to text; special ids (>= 256) are dropped, invalid UTF-8 becomes U+FFFD."""
         for i in ids:

@@ -25,6 +25,7 @@ from lightning_llmopt.inference.block_manager import BlockManager
 from lightning_llmopt.inference.config import EngineConfig
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, graph_sizes, step_logits
 from lightning_llmopt.inference.engine_outputs import EngineOutputs
+from lightning_llmopt.inference.grammar import constrain
 from lightning_llmopt.inference.inputs import Prompt, encode_prompt, prepare_batch, validate_prompt
 from lightning_llmopt.inference.kv_groups import GroupedPool, make_kv
 from lightning_llmopt.inference.kv_pool import KVPool, KVScales
@@ -210,6 +211,8 @@ class LLMEngine(EngineOutputs):
         )  # fmt: skip
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings {list(params.stop)!r} need a tokenizer to detokenise the output")
+        if params.structured_output is not None:
+            self.grammars().check(params.structured_output)
         need = self.blocks.blocks_for(len(tokens) + params.max_tokens)
         if need > self.blocks.allocator.capacity:
             raise ValueError(
@@ -396,6 +399,8 @@ class LLMEngine(EngineOutputs):
         if rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
         params = [s.request.params for s in seqs]
+        if any(p.structured_output is not None for p in params):
+            logits = constrain(self.grammars(), logits, seqs)
         histories = [(s.tokens, s.prompt_len) for s in seqs] if any(p.penalised for p in params) else None
         out = sample_batch(logits, params, [s.generator for s in seqs], histories)
         return [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, out.tokens, out.logprobs, strict=True)]

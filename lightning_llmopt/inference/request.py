@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_llmopt.inference.detokenize import TextState
 from lightning_llmopt.inference.sampling import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from lightning_llmopt.inference.grammar import Matcher
 
 __all__ = ["Completion", "CompletionOutput", "Request", "RequestMetrics", "SeqStatus", "Sequence", "StreamEvent"]
 
@@ -46,6 +50,7 @@ class Sequence:
         self.deferred = False  # admission already postponed once (cache-aware admission)
         self.text: TextState | None = None  # detokenised output (with a tokenizer), stop strings
         self.logprobs: list[TokenLogprobs] = []  # one per output token when the request asks for logprobs
+        self.grammar: Matcher | None = None  # structured output: where the text stands in its grammar
 
     @property
     def output_tokens(self) -> list[int]:
