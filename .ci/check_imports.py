@@ -23,7 +23,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TREES = ("lightning_llmopt", "tests", "examples", "benchmarks")
 # GPU peers that benchmarks import only on the device, where they travel as wheels (device README): never installed
 # on CPU machines, and not dependencies of the package.
-DEVICE_ONLY = {"benchmarks": {"liger_kernel", "torchtitan"}}
+# The other grammar libraries that benchmarks/bench_structured.py --family backends measures llguidance against: peers
+# installed by hand for that comparison (its docstring says how), not dependencies of the package.
+DEVICE_ONLY = {"benchmarks": {"liger_kernel", "torchtitan", "xgrammar", "outlines_core"}}
 
 
 def _normalize(name: str) -> str:

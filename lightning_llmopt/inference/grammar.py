@@ -19,6 +19,7 @@ fresh matcher. See docs/structured_output.md.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,7 @@ class Grammars:
         self._fresh: dict[str, Any] = {}  # key -> matcher at the grammar's start
         self._executor = self._ll.LLExecutor()
         self._bits: Tensor | None = None  # (N, words) host buffer, grown on demand
+        self.mask_s, self.mask_calls = 0.0, 0  # host time computing masks, and the steps that did
 
     def check(self, so: StructuredOutput) -> None:
         """Compile ``so`` (cached); raises ``ValueError`` naming the problem when llguidance refuses it."""
@@ -166,9 +168,12 @@ class Grammars:
             pin = logits.device.type == "cuda"
             self._bits = torch.empty(max(n, 8), self.words, dtype=torch.int32, pin_memory=pin)
         bits = self._bits[:n]
+        start = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(
             [(m.handle, i) for i, m in enumerate(matchers)], bits.data_ptr(), self.words * 4, n
         )
+        self.mask_s += time.perf_counter() - start
+        self.mask_calls += 1
         index = torch.tensor(list(rows), dtype=torch.long)
         if logits.device.type == "cuda":
             index = index.pin_memory()
