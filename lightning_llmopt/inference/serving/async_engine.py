@@ -6,12 +6,13 @@ with the error if the build raised), then repeats: take the commands the HTTP ha
 one), run one :meth:`LLMEngine.step`, and hand each request's events to its :class:`Handle` on the event loop
 (``call_soon_threadsafe``). Handlers only enqueue commands and read their handle.
 
-- Delivery waits for the next step's launch: a step's events reach the event loop ``delivery_delay`` seconds after
-  the step returns when another step follows (default: the engine thread's CPU time of a step, averaged, at most a
-  quarter of a step), so that the handlers' burst of work (a chunk per request) overlaps the next step's device time
-  instead of competing for the GIL with its host work (scheduling, input preparation, launch). Measured with
-  ``benchmarks/profile_serve_load.py`` (64 streams, 20 ms steps): HTTP/offline tokens/s 0.87 -> 0.92. Items keep
-  their order; a request's end, a cancel or an error is never delivered before the events queued ahead of it.
+- Optionally, delivery waits for the next step's launch: with ``delivery_delay`` a step's events reach the event
+  loop that many seconds after the step returns when another step follows (``None``: the engine thread's CPU time
+  of a step, averaged, at most a quarter of a step), so that the handlers' burst of work (a chunk per request)
+  overlaps the next step's device time instead of competing for the GIL with its host work. Off by default: on
+  CPU (``benchmarks/profile_serve_load.py``, 64 streams, 20 ms steps) one run with 3 ms gave HTTP/offline 0.92
+  against 0.87, one adaptive run 0.80; not yet measured on a GPU. Items keep their order; a request's end, a
+  cancel or an error is never delivered before the events queued ahead of it.
 - A handle that is closed before its request finished (the client went away) cancels the request: its blocks go
   back to the pool at the loop's next turn.
 - Back-pressure: past ``max_num_seqs + max_queue`` requests in flight, :meth:`AsyncEngine.submit` raises
@@ -90,7 +91,7 @@ class AsyncEngine:
         on_failed: called on the loop thread with the error message when the build fails (``llmopt serve`` then
             stops the server and exits non-zero).
         delivery_delay: seconds a step's events wait before the event loop gets them while another step follows
-            (``None``: adaptive, see the module docstring; ``0``: at once).
+            (``None``: adaptive, see the module docstring; ``0``, the default: at once).
     """
 
     def __init__(
@@ -100,7 +101,7 @@ class AsyncEngine:
         on_step: Callable[[LLMEngine, list[StreamEvent], float], None] | None = None,
         startup: StartupLog | None = None,
         on_failed: Callable[[str], None] | None = None,
-        delivery_delay: float | None = None,
+        delivery_delay: float | None = 0.0,
     ) -> None:
         if max_queue is not None and max_queue < 0:
             raise ValueError(f"max_queue ({max_queue}) must be >= 0")
