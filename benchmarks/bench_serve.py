@@ -148,22 +148,41 @@ async def _client(url: str, reqs: list[Request], arrivals: list[float], trace: T
         await asyncio.gather(*(one(i) for i in range(len(reqs))))
 
 
-def run_http(engine: LLMEngine, reqs: list[Request], arrivals: list[float]) -> Trace:
-    """The same arrivals through ``llmopt serve``'s app under uvicorn on 127.0.0.1."""
+def _client_process(url: str, reqs: list[Request], arrivals: list[float], out: Any) -> None:
+    trace = Trace(len(reqs))
+    asyncio.run(_client(url, reqs, arrivals, trace))
+    out.send(trace.__dict__)
+
+
+def run_http(engine: LLMEngine, reqs: list[Request], arrivals: list[float], delivery_delay: float = 0.0) -> Trace:
+    """The same arrivals through ``llmopt serve``'s app under uvicorn on 127.0.0.1. The clients run in a process of
+    their own: in the server's process they would take the GIL from it (about 300 us of CPU per token on CPU,
+    benchmarks/profile_serve_load.py), which no deployment's clients do. ``delivery_delay``: the
+    :class:`AsyncEngine` option of that name."""
+    import multiprocessing as mp
+
     import uvicorn
 
     from lightning_llmopt.inference.serving import Server, build_app
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(Server(engine, "bench")), log_level="warning"))
+    app_server = Server(engine, "bench")
+    app_server.core.delivery_delay = delivery_delay
+    server = uvicorn.Server(uvicorn.Config(build_app(app_server), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
     try:
+        ctx = mp.get_context("spawn")
+        recv, send = ctx.Pipe(duplex=False)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        proc = ctx.Process(target=_client_process, args=(url, reqs, arrivals, send), daemon=True)
+        proc.start()
         trace = Trace(len(reqs))
-        asyncio.run(_client(f"http://127.0.0.1:{sock.getsockname()[1]}", reqs, arrivals, trace))
+        trace.__dict__.update(recv.recv())
+        proc.join(60)
         return trace
     finally:
         server.should_exit = True
@@ -211,6 +230,8 @@ def family_serve(preset: str, smoke: bool, requests: int, concurrencies: list[in
         arrivals = poisson(n, c / latency, seed=100 + c)
         offline = run_offline(engine, reqs, arrivals).summary("offline-engine")
         http = run_http(engine, reqs, arrivals).summary("http")
+        held = [run_http(engine, reqs, arrivals, 0.003).summary("http-delivery-delay-3ms")] \
+            if c == max(concurrencies) else []  # fmt: skip
         config = {"preset": preset, "concurrency_target": c, "rate_per_s": c / latency, "requests": n,
                   "workload": f"sharegpt:{cap} (means {SHAREGPT_MEANS})", "max_num_seqs": 64}  # fmt: skip
         notes = [
@@ -218,7 +239,10 @@ def family_serve(preset: str, smoke: bool, requests: int, concurrencies: list[in
             f"{http['output_tok_s'] / offline['output_tok_s']:.3f}",
             "ITL counts an event of k tokens as k gaps of dt/k (multi-step decoding delivers several tokens at once)",
         ]
-        recs.append(records.make_record(f"serve-{preset}-c{c}", config, [http], [offline], benchmark="serve",
+        notes += [f"{h['variant']}: HTTP/offline {h['output_tok_s'] / offline['output_tok_s']:.3f}, added TTFT p50 "
+                  f"{h['ttft_p50_ms'] - offline['ttft_p50_ms']:.2f} ms" for h in held]
+        notes.append("clients in a process of their own (spawned), as in a deployment")
+        recs.append(records.make_record(f"serve-{preset}-c{c}", config, [http, *held], [offline], benchmark="serve",
                                         ratio_metric="output_tok_s", notes=notes))  # fmt: skip
     return recs
 
