@@ -28,10 +28,11 @@ from typing import Any
 from lightning_llmopt.inference.engine import LLMEngine
 from lightning_llmopt.inference.inputs import ContextLengthError, Prompt, encode_prompt
 from lightning_llmopt.inference.serving.async_engine import AsyncEngine, QueueFull
-from lightning_llmopt.inference.serving.chat import ChatTemplate, find_chat_template
+from lightning_llmopt.inference.serving.chat import ChatTemplate, find_chat_template, special_strings
 from lightning_llmopt.inference.serving.metrics import ServerMetrics
-from lightning_llmopt.inference.serving.protocol import APIError, parse_chat, parse_completion
-from lightning_llmopt.inference.serving.responses import Job, chunk, full_response, running_usage, usage, usage_chunk
+from lightning_llmopt.inference.serving.protocol import APIError, bad_value, parse_chat, parse_completion
+from lightning_llmopt.inference.serving.responses import Job, chunks, full_response, running_usage, usage, usage_chunk
+from lightning_llmopt.inference.serving.tool_calls import ToolPlan, get_tool_parser
 from lightning_llmopt.inference.startup import StartupLog
 
 __all__ = ["Server", "build_app"]
@@ -51,12 +52,16 @@ class Server:
         startup: the :class:`~lightning_llmopt.inference.startup.StartupLog` the build records its phases in
             (shown by ``/health`` while loading).
         on_failed: called with the error message if the engine's build fails.
+        tool_call_parser: how ``tool_choice="auto"`` reads tool calls in the text (a name of
+            :data:`~.tool_calls.TOOL_PARSERS`: ``"hermes"``, ``"llama3_json"``).
     """
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], model_name: str, api_key: str | None = None,
                  max_queue: int | None = None, chat_template: str | None = None,
                  model_path: str | Path | None = None, grace_s: float = 10.0, startup: StartupLog | None = None,
-                 on_failed: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 on_failed: Callable[[str], None] | None = None, tool_call_parser: str = "hermes") -> None:  # fmt: skip
+        get_tool_parser(tool_call_parser)  # a ValueError naming the known parsers, before anything starts
+        self.tool_call_parser = tool_call_parser
         self.model_name, self.api_key, self.grace_s = model_name, api_key, grace_s
         self.metrics = ServerMetrics(self._gauge_state)
         self.core = AsyncEngine(engine, max_queue, self.metrics.on_step, startup, on_failed)
@@ -92,30 +97,33 @@ class Server:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 
-    def template(self, engine: LLMEngine) -> Callable[[list[dict[str, str]]], str]:
-        """How messages become a prompt: ``--chat-template`` if given, else the tokenizer's own
-        ``apply_chat_template`` (:class:`~lightning_llmopt.data.tokenizers.HFTokenizer` renders its folder's
-        template as transformers does), else a template found in the model folder; a 400 when there is none."""
+    def template(self, engine: LLMEngine) -> Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]:
+        """How messages (and the tools offered, or ``None``) become a prompt: ``--chat-template`` if given, else the
+        tokenizer's own ``apply_chat_template`` (:class:`~lightning_llmopt.data.tokenizers.HFTokenizer` renders its
+        folder's template as transformers does), else a template found in the model folder; a 400 when there is
+        none."""
         tok = engine.tokenizer
         if (
             self._template_source is None
             and getattr(tok, "chat_template", None)
             and hasattr(tok, "apply_chat_template")
         ):
-            return lambda messages: str(tok.apply_chat_template(messages, add_generation_prompt=True))
+            return lambda msgs, tools: str(tok.apply_chat_template(msgs, add_generation_prompt=True, tools=tools))
         if self._template is False:
             source = find_chat_template(tok, self._model_path, self._template_source)
-            self._template = ChatTemplate(source, *_special_strings(tok)) if source else None
+            self._template = ChatTemplate(source, *special_strings(tok)) if source else None
         if not isinstance(self._template, ChatTemplate):
             raise APIError(400, "this model has no chat template: use /v1/completions, or start the server with "
                            "--chat-template FILE", param="messages", code="no_chat_template")  # fmt: skip
         return self._template.render
 
     def tokens(self, engine: LLMEngine, prompt: Prompt, params: Any, param: str, add_special_tokens: bool = True,
-               truncate_prompt_tokens: int | None = None) -> list[int]:  # fmt: skip
-        """The prompt's ids, checked by the engine (a 400 naming ``param`` if refused): text encoded with the
-        tokenizer's special tokens when ``add_special_tokens``; ``truncate_prompt_tokens`` keeps the last k tokens
-        (``-1``: as many as fit beside ``max_tokens``)."""
+               truncate_prompt_tokens: int | None = None, constraint_param: str | None = None,
+               ) -> list[int]:  # fmt: skip
+        """The prompt's ids, checked by the engine (a 400 naming ``param`` if refused, or ``constraint_param`` when
+        the engine refuses the structured output only): text encoded with the tokenizer's special tokens when
+        ``add_special_tokens``; ``truncate_prompt_tokens`` keeps the last k tokens (``-1``: as many as fit beside
+        ``max_tokens``)."""
         keep = truncate_prompt_tokens
         try:
             if keep is not None and keep > 0:
@@ -124,10 +132,13 @@ class Server:
         except ContextLengthError as exc:
             raise APIError(400, _too_long(exc), param=param, code="context_length_exceeded") from None
         except (ValueError, TypeError) as exc:
+            if constraint_param is not None and _refused_constraint(engine, prompt, params, keep, add_special_tokens):
+                raise bad_value(constraint_param, str(exc)) from None
             code = "context_length_exceeded" if "max_model_len" in str(exc) or "KV blocks" in str(exc) else None
             raise APIError(400, str(exc), param=param, code=code or "invalid_value") from None
 
-    def submit(self, kind: str, model: str, prompts: list[list[int]], params: Any, logprobs: int | None) -> Job:
+    def submit(self, kind: str, model: str, prompts: list[list[int]], params: Any, logprobs: int | None,
+               tools: ToolPlan | None = None) -> Job:  # fmt: skip
         handles = []
         try:
             for tokens in prompts:
@@ -138,7 +149,7 @@ class Server:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(503, f"server busy: {exc}", code="overloaded", kind="server_error",
                            headers={"Retry-After": "1"}) from None  # fmt: skip
-        return Job(kind, model, handles, [len(t) for t in prompts], params.n, logprobs)
+        return Job(kind, model, handles, [len(t) for t in prompts], params.n, logprobs, tools=tools)
 
     def finish(self, job: Job, end: float | None = None) -> None:
         """Metrics of a finished job, once: latency up to ``end`` (default: now), each choice's finish reason, and
@@ -171,6 +182,15 @@ class Server:
             h.when_ended(ended)
 
 
+def _refused_constraint(engine: LLMEngine, prompt: Prompt, params: Any, keep: int | None, special: bool) -> bool:
+    """Whether the engine takes the request once its structured output is dropped (then that is what it refused)."""
+    try:
+        engine.check_request(prompt, dataclasses.replace(params, structured_output=None), keep == -1, special)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def _too_long(exc: ContextLengthError) -> str:
     """The context-length message with the remedy this API takes (``truncate_prompt_tokens``, not the Python API's
     ``truncate=True``)."""
@@ -181,17 +201,6 @@ def _too_long(exc: ContextLengthError) -> str:
         f'({exc.max_model_len}); shorten the prompt, lower max_tokens, or send "truncate_prompt_tokens": '
         f"{exc.room} (or -1) to keep its last {exc.room} tokens"
     )
-
-
-def _special_strings(tokenizer: Any) -> tuple[str, str]:
-    out = []
-    for name in ("bos_id", "eos_id"):
-        tid = getattr(tokenizer, name, None)
-        try:
-            out.append(str(tokenizer.decode([tid])) if tid is not None else "")
-        except Exception:  # noqa: BLE001
-            out.append("")
-    return out[0], out[1]
 
 
 async def _run(server: Server, job: Job, tokenizer: Any) -> AsyncGenerator[dict[str, Any], None]:
@@ -209,9 +218,9 @@ async def _run(server: Server, job: Job, tokenizer: Any) -> AsyncGenerator[dict[
                     else:
                         server.metrics.itl.observe((now - last[index]) / len(ev.token_ids))
                     last[index] = now
-                body = chunk(job, tokenizer, index, ev, offsets.get(index, 0))
+                bodies = chunks(job, tokenizer, index, ev, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + len(ev.text or "")
-                if body is not None:
+                for body in bodies:
                     yield body
         errors = [h.error for h in job.handles if h.error]
         if errors:
@@ -367,7 +376,8 @@ def _generation_routes(app: Any, server: Server) -> None:
         server.check_model(req.model)
         engine = server.engine
         prompts = [
-            server.tokens(engine, p, req.params, "prompt", req.add_special_tokens, req.truncate_prompt_tokens)
+            server.tokens(engine, p, req.params, "prompt", req.add_special_tokens, req.truncate_prompt_tokens,
+                          req.constraint_param)  # fmt: skip
             for p in req.prompts
         ]
         job = server.submit("completion", req.model, prompts, req.params, req.logprobs)
@@ -377,17 +387,17 @@ def _generation_routes(app: Any, server: Server) -> None:
     async def chat(request: Request) -> Any:
         server.authorize(request.headers.get("authorization"))
         engine = server.engine
-        req = parse_chat(await _body(request), 1)
+        req = parse_chat(await _body(request), 1, lambda: get_tool_parser(server.tool_call_parser))
         server.check_model(req.model)
         render = server.template(engine)
         try:
-            text = render(req.messages)
+            text = render(req.messages, req.tools)
         except Exception as exc:  # noqa: BLE001 - the template refused the messages (roles, content)
             raise APIError(400, f"chat template: {exc}", param="messages") from None
-        params, encoding = req.params, (req.add_special_tokens, req.truncate_prompt_tokens)
+        params, encoding = req.params, (req.add_special_tokens, req.truncate_prompt_tokens, req.constraint_param)
         tokens = server.tokens(engine, text, params, "messages", *encoding)
         if not req.max_tokens_given:  # the answer may fill the context
             params = dataclasses.replace(params, max_tokens=max(engine.max_model_len - len(tokens), 1))
-            tokens = server.tokens(engine, tokens, params, "messages")
-        job = server.submit("chat", req.model, [tokens], params, req.logprobs)
+            tokens = server.tokens(engine, tokens, params, "messages", constraint_param=req.constraint_param)
+        job = server.submit("chat", req.model, [tokens], params, req.logprobs, req.tool_plan)
         return await _respond(server, job, req, request)

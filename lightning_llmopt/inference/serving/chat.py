@@ -2,8 +2,8 @@
 
 The template is, first found: ``--chat-template`` (a file or the template itself), the tokenizer's
 ``chat_template`` attribute, ``chat_template.jinja`` or ``tokenizer_config.json``'s ``"chat_template"`` in the model
-folder. It is rendered as Hugging Face renders it: with ``messages``, ``add_generation_prompt=True``,
-``bos_token``/``eos_token`` and ``raise_exception``.
+folder. It is rendered as Hugging Face renders it: with ``messages`` (an assistant's ``tool_calls`` hold their
+arguments as a dict), ``tools``, ``add_generation_prompt=True``, ``bos_token``/``eos_token`` and ``raise_exception``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChatTemplate", "find_chat_template"]
+__all__ = ["ChatTemplate", "find_chat_template", "special_strings"]
 
 
 def find_chat_template(tokenizer: Any, model_path: str | Path | None, override: str | None = None) -> str | None:
@@ -44,6 +44,18 @@ def find_chat_template(tokenizer: Any, model_path: str | Path | None, override: 
     return None
 
 
+def special_strings(tokenizer: Any) -> tuple[str, str]:
+    """The BOS and EOS text of ``tokenizer`` (``""`` where it has none)."""
+    out = []
+    for name in ("bos_id", "eos_id"):
+        tid = getattr(tokenizer, name, None)
+        try:
+            out.append(str(tokenizer.decode([tid])) if tid is not None else "")
+        except Exception:  # noqa: BLE001
+            out.append("")
+    return out[0], out[1]
+
+
 class ChatTemplate:
     """A compiled chat template.
 
@@ -64,12 +76,14 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text of ``messages`` followed by the assistant's turn (raises ``ValueError`` when the template
-        refuses them, e.g. roles out of order)."""
+        refuses them, e.g. roles out of order). ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``
+        objects, as Hugging Face templates take them) is the template's ``tools`` variable."""
         return str(
             self.template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

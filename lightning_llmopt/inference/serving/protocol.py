@@ -12,20 +12,34 @@ default, as in vLLM); ``stop`` also takes token ids.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_llmopt.inference.sampling_params import MAX_LOGPROBS, SamplingParams
+from lightning_llmopt.inference.serving.structured import (
+    CONSTRAINT_FIELDS,
+    TOOL_FIELDS,
+    Constraint,
+    FieldError,
+    parse_constraint,
+    parse_tools,
+)
+from lightning_llmopt.inference.serving.tool_calls import Hermes, ToolParser, ToolPlan
+from lightning_llmopt.inference.structured_output import StructuredOutput
 
-__all__ = ["APIError", "ChatRequest", "CompletionRequest", "parse_chat", "parse_completion"]
+__all__ = ["APIError", "ChatRequest", "CompletionRequest", "bad_value", "parse_chat", "parse_completion"]
 
 _SAMPLING = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "user", "ignore_eos",
     "add_special_tokens", "truncate_prompt_tokens", "skip_special_tokens",
 }  # fmt: skip
-COMPLETION_FIELDS = frozenset(_SAMPLING | {"prompt", "logprobs"})
-CHAT_FIELDS = frozenset(_SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"})
+COMPLETION_FIELDS = frozenset(_SAMPLING | CONSTRAINT_FIELDS | {"prompt", "logprobs"})
+CHAT_FIELDS = frozenset(
+    _SAMPLING | CONSTRAINT_FIELDS | TOOL_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+)
 MAX_N = 16
 
 
@@ -42,8 +56,12 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def _bad(param: str, message: str) -> APIError:
+def bad_value(param: str, message: str) -> APIError:
+    """A 400 naming ``param``."""
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+_bad = bad_value
 
 
 @dataclass
@@ -59,6 +77,7 @@ class CompletionRequest:
     logprobs: int | None
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: as many as fit
+    constraint_param: str | None = None  # the field whose constraint is in params (named if the engine refuses it)
 
 
 @dataclass
@@ -66,7 +85,7 @@ class ChatRequest:
     """A parsed ``/v1/chat/completions`` body."""
 
     model: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -75,6 +94,9 @@ class ChatRequest:
     max_tokens_given: bool
     add_special_tokens: bool = False  # the template writes the BOS
     truncate_prompt_tokens: int | None = None
+    constraint_param: str | None = None
+    tools: list[dict[str, Any]] | None = None  # as the chat template takes them; None: not offered
+    tool_plan: ToolPlan | None = None  # how the output becomes tool calls; None: plain content
 
 
 def _check_keys(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
@@ -130,7 +152,8 @@ def _stops(body: dict[str, Any]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return strings, tuple(t for t in stop if isinstance(t, int)) + tuple(ids)
 
 
-def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+            structured: StructuredOutput | None = None) -> SamplingParams:  # fmt: skip
     num = (int, float)
     stop, stop_ids = _stops(body)
     if max_tokens is not None and not isinstance(max_tokens, bool) and isinstance(max_tokens, int) and max_tokens < 1:
@@ -156,6 +179,7 @@ def _params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) 
         stop=stop,
         stop_token_ids=stop_ids,
         skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), True),
+        structured_output=structured,
     )
     try:
         return SamplingParams(**kwargs)
@@ -187,6 +211,13 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
     raise _bad("prompt", "expected a non-empty string, list of strings, token ids or list of token-id lists")
 
 
+def _constraint(body: dict[str, Any]) -> Constraint | None:
+    try:
+        return parse_constraint(body)
+    except FieldError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+
+
 def parse_completion(body: Any) -> CompletionRequest:
     """Validate a ``/v1/completions`` body (raises :class:`APIError` naming the offending field)."""
     body = _check_keys(body, COMPLETION_FIELDS)
@@ -195,35 +226,82 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise _bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     max_tokens = _typed(body, "max_tokens", (int,), 16)
     stream = _typed(body, "stream", (bool,), False)
+    constraint = _constraint(body)
+    params = _params(body, max_tokens, logprobs, constraint.output if constraint else None)
     return CompletionRequest(
-        body["model"], _prompts(body), _params(body, max_tokens, logprobs), stream, *_stream_options(body, stream),
-        logprobs, *_encoding(body, True),
+        body["model"], _prompts(body), params, stream, *_stream_options(body, stream), logprobs,
+        *_encoding(body, True), constraint.param if constraint else None,
     )  # fmt: skip
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _text(i: int, content: Any, nullable: bool) -> str:
+    if content is None and nullable:
+        return ""
+    if isinstance(content, list):  # content parts: text only
+        if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+               for p in content):  # fmt: skip
+            raise _bad(f"messages[{i}].content", "only text content parts are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise _bad(f"messages[{i}].content", "expected a string or a list of text parts")
+    return content
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as Hugging Face templates read them: ``function.arguments`` holding a
+    JSON object is passed as a dict."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(where, f"expected a list of tool calls, got {calls!r}")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        kind = call.get("type", "function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or kind != "function":
+            raise _bad(f"{where}[{j}]", "expected {id, type: 'function', function: {name, arguments}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            args = parsed if isinstance(parsed, dict) else args
+        elif not isinstance(args, dict):
+            raise _bad(f"{where}[{j}].function.arguments", f"expected JSON text or an object, got {args!r}")
+        out.append({**{k: call[k] for k in ("id",) if k in call}, "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})  # fmt: skip
+    return out
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "expected a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or set(m) - {"role", "content", "name"}:
-            raise _bad(f"messages[{i}]", "expected {role: str, content: str} (name optional)")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
-                   for p in content):  # fmt: skip
-                raise _bad(f"messages[{i}].content", "only text content parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content", "expected a string or a list of text parts")
-        out.append({**{k: v for k, v in m.items() if k == "name"}, "role": m["role"], "content": content})
+        keys = {"role", "content", "name", "tool_calls", "tool_call_id"}
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or set(m) - keys:
+            raise _bad(f"messages[{i}]", "expected {role: str, content: str} (name, tool_calls, tool_call_id optional)")
+        calls = m.get("tool_calls")
+        if calls is not None and m["role"] != "assistant":
+            raise _bad(f"messages[{i}].tool_calls", f"only assistant messages hold tool calls, not {m['role']!r}")
+        message: dict[str, Any] = {"role": m["role"], "content": _text(i, m.get("content"), calls is not None)}
+        if m.get("name") is not None:
+            message["name"] = m["name"]
+        if calls is not None:
+            message["tool_calls"] = _tool_calls(i, calls)
+        if m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise _bad(f"messages[{i}].tool_call_id", f"expected a string, got {m['tool_call_id']!r}")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
-def parse_chat(body: Any, default_max_tokens: int) -> ChatRequest:
+def parse_chat(body: Any, default_max_tokens: int, tool_parser: Callable[[], ToolParser] = Hermes) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body; without ``max_tokens`` the answer may fill the context (the
-    caller lowers ``default_max_tokens`` to the room the prompt leaves)."""
+    caller lowers ``default_max_tokens`` to the room the prompt leaves). ``tool_parser`` makes the parser of
+    ``tool_choice="auto"``."""
     body = _check_keys(body, CHAT_FIELDS)
     want = _typed(body, "logprobs", (bool,), False)
     top = _typed(body, "top_logprobs", (int,), None)
@@ -238,9 +316,18 @@ def parse_chat(body: Any, default_max_tokens: int) -> ChatRequest:
     max_tokens = _typed(body, key, (int,), None)
     stream = _typed(body, "stream", (bool,), False)
     messages = _messages(body)
-    params = _params(body, max_tokens if max_tokens is not None else default_max_tokens, logprobs)
+    constraint = _constraint(body)
+    try:
+        tools = parse_tools(body, tool_parser)
+    except FieldError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    if tools.constraint is not None and constraint is not None:
+        raise _bad("tool_choice", f"a required or named tool choice cannot be combined with {constraint.param}")
+    constraint = constraint or tools.constraint
+    structured = constraint.output if constraint else None
+    params = _params(body, max_tokens if max_tokens is not None else default_max_tokens, logprobs, structured)
     usage, continuous = _stream_options(body, stream)
     return ChatRequest(
         body["model"], messages, params, stream, usage, continuous, logprobs, max_tokens is not None,
-        *_encoding(body, False),
+        *_encoding(body, False), constraint.param if constraint else None, tools.tools, tools.plan,
     )  # fmt: skip

@@ -1,7 +1,9 @@
 """OpenAI response bodies: whole completions, stream chunks, log-probabilities and usage.
 
 A :class:`Job` is one HTTP request: one engine request per prompt (``/v1/completions`` takes a list), each with
-``n`` choices; choice ``index`` is ``prompt * n + i`` as in OpenAI's API.
+``n`` choices; choice ``index`` is ``prompt * n + i`` as in OpenAI's API. A chat job with a
+:class:`~.tool_calls.ToolPlan` reads each choice's text for tool calls (:class:`~.tool_calls.ToolStream` when
+streamed), choice by choice.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 from lightning_llmopt.inference.request import StreamEvent
 from lightning_llmopt.inference.sampling import TokenLogprobs
 from lightning_llmopt.inference.serving.async_engine import Handle
+from lightning_llmopt.inference.serving.tool_calls import ToolPlan, ToolStream
 
-__all__ = ["Job", "chunk", "format_logprobs", "full_response", "running_usage", "usage", "usage_chunk"]
+__all__ = ["Job", "chunks", "format_logprobs", "full_response", "running_usage", "usage", "usage_chunk"]
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "cancelled": "abort"}
 
@@ -40,6 +43,8 @@ class Job:
     started: set[int] = field(default_factory=set)  # chat choices whose role chunk was sent
     generated: int = 0  # tokens streamed so far, all choices
     counted: bool = False  # in the server's metrics already
+    tools: ToolPlan | None = None  # chat: how each choice's text becomes tool calls
+    tool_streams: dict[int, ToolStream] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -130,24 +135,43 @@ def format_logprobs(kind: str, tokenizer: Any, lps: list[TokenLogprobs], offset:
     }
 
 
-def chunk(job: Job, tokenizer: Any, index: int, ev: StreamEvent, offset: int) -> dict[str, Any] | None:
-    """The stream chunk of one event of choice ``index`` (``None`` when it carries nothing to send)."""
+def _chat_deltas(job: Job, index: int, ev: StreamEvent, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """The deltas of one chat event and the finish reason (tool calls read from the text when the job has tools)."""
+    if job.tools is None:
+        return ([] if ev.finished and not ev.text else [{"content": ev.text or ""}]), reason
+    stream = job.tool_streams.setdefault(index, ToolStream(job.tools))
+    deltas = stream.feed(ev.text or "")
+    if ev.finished:
+        held, reason = stream.finish(reason)
+        deltas += held
+    return deltas, reason
+
+
+def chunks(job: Job, tokenizer: Any, index: int, ev: StreamEvent, offset: int) -> list[dict[str, Any]]:
+    """The stream chunks of one event of choice ``index`` (none when it carries nothing to send); the finish reason
+    is in the last."""
     lps = (
         format_logprobs(job.kind, tokenizer, ev.logprobs, offset) if job.logprobs is not None and ev.logprobs else None
     )
     reason = _FINISH.get(ev.finish_reason or "", ev.finish_reason) if ev.finished else None
     if not ev.token_ids and not ev.finished and (job.kind != "chat" or index in job.started):
-        return None  # (new tokens always make a chunk, even when their text is held back: clients time tokens)
-    if job.kind == "chat":
-        delta: dict[str, Any] = {} if ev.finished and not ev.text else {"content": ev.text or ""}
-        if index not in job.started:
-            job.started.add(index)
-            delta["role"] = "assistant"
-        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
-        return {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model,
-                "choices": [choice]}  # fmt: skip
-    choice = {"index": index, "text": ev.text or "", "logprobs": lps, "finish_reason": reason}
-    return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model, "choices": [choice]}
+        return []  # (new tokens always make a chunk, even when their text is held back: clients time tokens)
+    head = {"id": job.id, "created": job.created, "model": job.model}
+    if job.kind != "chat":
+        choice = {"index": index, "text": ev.text or "", "logprobs": lps, "finish_reason": reason}
+        return [{**head, "object": "text_completion", "choices": [choice]}]
+    deltas, reason = _chat_deltas(job, index, ev, reason)
+    deltas = deltas or [{}]
+    if index not in job.started:
+        job.started.add(index)
+        deltas[0] = {"role": "assistant", **deltas[0]}
+    out = []
+    for k, delta in enumerate(deltas):
+        last = k == len(deltas) - 1
+        choice = {"index": index, "delta": delta, "logprobs": lps if k == 0 else None,
+                  "finish_reason": reason if last else None}  # fmt: skip
+        out.append({**head, "object": "chat.completion.chunk", "choices": [choice]})
+    return out
 
 
 def running_usage(job: Job) -> dict[str, int]:
@@ -170,7 +194,12 @@ def full_response(job: Job, tokenizer: Any) -> dict[str, Any]:
         lps = format_logprobs(job.kind, tokenizer, job.lps[index]) if job.logprobs is not None else None
         reason = job.reasons.get(index)
         if job.kind == "chat":
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if job.tools is not None:
+                parsed = job.tools.parse(text)
+                reason = job.tools.finish_reason(parsed, reason)
+                if parsed.calls:
+                    message = {**message, "content": parsed.content, "tool_calls": [c.to_dict() for c in parsed.calls]}
             choices.append({"index": index, "message": message, "logprobs": lps, "finish_reason": reason})
         else:
             choices.append({"index": index, "text": text, "logprobs": lps, "finish_reason": reason})
