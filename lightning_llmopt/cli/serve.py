@@ -18,7 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_parser", "main"]
+__all__ = ["TOOL_CALL_PARSERS", "build_parser", "main"]
+
+# the names of lightning_llmopt.inference.serving.tool_calls.TOOL_PARSERS (kept here so that --help imports no torch;
+# tests/inference/conformance/test_tools.py checks that they agree)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template",
         default=None,
         help="a Jinja2 chat template, file or text (default: the tokenizer's or the model folder's)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="hermes",
+        help="how tool calls are read from the text with tool_choice 'auto': hermes (<tool_call>{...}</tool_call>: "
+        "Hermes, Qwen 2.5/3) or llama3_json (the whole output is {\"name\", \"parameters\"}: Llama 3.x)",
     )
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds requests in flight may finish")
     p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
@@ -159,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         grace_s=args.shutdown_grace,
         startup=startup,
         on_failed=failed,
+        tool_call_parser=args.tool_call_parser,
     )
     config = uvicorn.Config(
         build_app(server),
