@@ -33,7 +33,10 @@ from lightning_llmopt.inference.serving.tool_calls import (
 
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "unit": {"type": "string", "enum": ["c", "f"]}},
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+    },
     "required": ["city", "unit"],
     "additionalProperties": False,
 }
@@ -44,7 +47,10 @@ ADD = {
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER},
+    },
     {"type": "function", "function": {"name": "add", "parameters": ADD}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
@@ -98,7 +104,10 @@ def test_hermes_parser(text, content, calls):
         ('{"name": "f", "parameters": {"x": 1}}', [("f", {"x": 1})]),
         (' \n{"name": "f", "arguments": {"x": "a;b"}}\n', [("f", {"x": "a;b"})]),
         ('<|python_tag|>{"name": "f", "parameters": {}}', [("f", {})]),
-        ('{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {"b": 2}}', [("f", {"a": 1}), ("g", {"b": 2})]),
+        (
+            '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {"b": 2}}',
+            [("f", {"a": 1}), ("g", {"b": 2})],
+        ),
         ('{"name": "f", "parameters": {"a": 1}} and more', []),
         ('{"parameters": {}}', []),
         ('{"name": "f", "parameters": {"a": ', []),  # cut off
@@ -181,14 +190,18 @@ def test_required_and_named_plans():
     assert parsed.content is None and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
         ("add", {"a": 3, "b": True}), ("get_weather", {}),
     ]  # fmt: skip
-    assert required.finish_reason(parsed, "stop") == "tool_calls" and required.finish_reason(parsed, "length") == "length"
+    assert (
+        required.finish_reason(parsed, "stop") == "tool_calls" and required.finish_reason(parsed, "length") == "length"
+    )
     assert required.parse('[{"name": "add", "para').calls == []  # cut off by max_tokens: the text stays content
     content, calls, reason = _replay(required, text, 5)
     assert content is None and reason == "tool_calls"
     assert [(n, a) for _, n, a in calls] == [(c.name, c.arguments) for c in parsed.calls]
 
     named = ToolPlan("named", name="add")
-    assert [(c.name, c.arguments) for c in named.parse('{"a": 1, "b": false}').calls] == [("add", '{"a": 1, "b": false}')]
+    assert [(c.name, c.arguments) for c in named.parse('{"a": 1, "b": false}').calls] == [
+        ("add", '{"a": 1, "b": false}')
+    ]
     content, calls, reason = _replay(named, '{"a": 1, "b": false}', 4)
     assert content is None and [(n, a) for _, n, a in calls] == [("add", '{"a": 1, "b": false}')] and reason == "stop"
     with pytest.raises(ValueError, match="mode 'named' takes"):
@@ -210,7 +223,9 @@ def test_tool_choice_modes_and_constraints():
     named = _chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
     assert named.params.structured_output.json_schema == ADD and named.tool_plan.name == "add"
     bare = _chat(tools=[{"type": "function", "function": {"name": "ping"}}], tool_choice="required")
-    assert bare.params.structured_output.json_schema["items"]["anyOf"][0]["properties"]["parameters"]["type"] == "object"
+    assert (
+        bare.params.structured_output.json_schema["items"]["anyOf"][0]["properties"]["parameters"]["type"] == "object"
+    )
 
 
 @pytest.mark.parametrize(
@@ -222,7 +237,10 @@ def test_tool_choice_modes_and_constraints():
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools[0].function.name"),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}, "tools[0].function"),
         ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -262,3 +280,174 @@ def test_tool_turns_in_messages():
         with pytest.raises(APIError) as e:
             parse_chat({"model": "m", "messages": [bad]}, 16)
         assert e.value.param == param, bad
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+
+# writes the tools, each message, and an assistant's tool calls with their arguments as a dict (as HF templates do)
+TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}{{ c.function.arguments.city }}</call>{% endfor %}"
+    "{{ m.content }}\n{% endfor %}<assistant>"
+)
+
+
+@contextlib.contextmanager
+def _running(server: Any) -> Iterator[str]:
+    """Serve ``server`` with uvicorn in a thread on a free port of 127.0.0.1; yields the base URL."""
+    import uvicorn
+
+    from lightning_llmopt.inference.serving import build_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert uv.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def tools_served() -> Iterator[SimpleNamespace]:
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("llguidance")
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from lightning_llmopt.data.tokenizers import ByteTokenizer
+    from lightning_llmopt.inference import LLMEngine
+    from lightning_llmopt.inference.serving import Server
+    from lightning_llmopt.models import Llama, LlamaConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_preset("tiny", init_std=0.1)).eval()
+    engine = LLMEngine(model, ByteTokenizer(), num_blocks=256, block_size=8, max_num_seqs=16)
+    with _running(Server(engine, "tiny", chat_template=TEMPLATE)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120,
+                               http_client=httpx.Client(trust_env=False))  # fmt: skip
+        yield SimpleNamespace(url=url, client=client, openai=openai)
+    torch.set_num_threads(threads)
+
+
+def _valid(name: str, arguments: str) -> None:
+    """``arguments`` is a JSON object valid against tool ``name``'s schema (the test schemas: enums, bounded
+    integers and booleans, all required, nothing else)."""
+    args, schema = json.loads(arguments), SCHEMAS[name]
+    assert isinstance(args, dict) and set(args) == set(schema["required"]), arguments
+    for key, value in args.items():
+        prop = schema["properties"][key]
+        if "enum" in prop:
+            assert value in prop["enum"], arguments
+        elif prop["type"] == "integer":
+            assert isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 9, arguments
+        else:
+            assert isinstance(value, bool), arguments
+
+
+def _streamed(client: Any, **kw: Any) -> Any:
+    """The message the ``openai`` client's streaming helper rebuilds, and the choice's finish reason."""
+    with client.chat.completions.stream(**kw) as stream:
+        final = stream.get_final_completion()
+    return final.choices[0].message, final.choices[0].finish_reason
+
+
+def _calls(message: Any) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def test_none_and_rendering(tools_served):
+    c = tools_served.client
+    history = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "sunny"},
+    ]  # fmt: skip
+    kw = dict(model="tiny", messages=history, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    out = c.chat.completions.create(tools=TOOLS, tool_choice="none", **kw)
+    msg = out.choices[0].message
+    assert msg.tool_calls is None and isinstance(msg.content, str) and out.choices[0].finish_reason == "length"
+    rendered = "<user>Weather in Paris?\n<assistant><call>get_weatherRome</call>\n<tool>sunny\n<assistant>"
+    assert out.usage.prompt_tokens == len(rendered.encode())  # no tools offered; the tool turns rendered
+    offered = c.chat.completions.create(tools=TOOLS, **kw)  # auto: the tools are in the prompt
+    assert offered.usage.prompt_tokens == len(("<tools>get_weather;add;</tools>\n" + rendered).encode())
+
+
+def test_required(tools_served):
+    c = tools_served.client
+    kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=150, temperature=0)  # fmt: skip
+    out = c.chat.completions.create(**kw)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in SCHEMAS
+    _valid(call.function.name, call.function.arguments)
+    message, reason = _streamed(c, **kw)
+    assert _calls(message) == _calls(choice.message) and reason == "tool_calls" and not message.content
+
+    several = c.chat.completions.create(**{**kw, "n": 3, "temperature": 1.0, "seed": 1})
+    assert sorted(ch.index for ch in several.choices) == [0, 1, 2]
+    for ch in several.choices:  # each choice read by itself
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+        _valid(ch.message.tool_calls[0].function.name, ch.message.tool_calls[0].function.arguments)
+
+
+def test_named_function(tools_served):
+    c = tools_served.client
+    kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+              max_tokens=150, temperature=0)  # fmt: skip
+    out = c.chat.completions.create(**kw)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None  # vLLM keeps "stop" for a named choice
+    assert [call.function.name for call in choice.message.tool_calls] == ["add"]
+    _valid("add", choice.message.tool_calls[0].function.arguments)
+    message, reason = _streamed(c, **kw)
+    assert _calls(message) == _calls(choice.message) and reason == "stop"
+
+
+def test_auto_reads_a_hermes_call(tools_served):
+    """The regular expression makes the random model write a Hermes call after some text; the parser reads it."""
+    c = tools_served.client
+    call = r'\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "[cf]"\}\}'
+    regex = rf"Ok\.\n<tool_call>{call}</tool_call>"
+    kw = dict(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=150, temperature=0,
+              extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
+    out = c.chat.completions.create(**kw)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Ok.", choice
+    assert [call.function.name for call in choice.message.tool_calls] == ["get_weather"]
+    _valid("get_weather", choice.message.tool_calls[0].function.arguments)
+    message, reason = _streamed(c, **kw)
+    assert _calls(message) == _calls(choice.message) and message.content == "Ok." and reason == "tool_calls"
+
+    plain = c.chat.completions.create(**{**kw, "extra_body": {"structured_outputs": {"choice": ["<tool_call>x"]}}})
+    assert plain.choices[0].message.content == "<tool_call>x" and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "stop"  # a call that does not parse stays content
+
+
+def test_bad_tools_over_http(tools_served):
+    c, openai = tools_served.client, tools_served.openai
+    for kw, param in [
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name"),
+        (dict(tool_choice="required"), "tool_choice"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, **kw)
+        assert e.value.body["param"] == param and e.value.status_code == 400
+    bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}]
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the grammar library when compiled
+        c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, tools=bad_schema, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
