@@ -8,17 +8,11 @@ constrained by the engine's grammar, and ``"auto"`` end to end is driven by a re
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 from lightning_llmopt.inference.serving.protocol import APIError, parse_chat
 from lightning_llmopt.inference.serving.tool_calls import (
@@ -30,6 +24,9 @@ from lightning_llmopt.inference.serving.tool_calls import (
     get_tool_parser,
     required_schema,
 )
+
+jsonschema = pytest.importorskip("jsonschema")
+openai = pytest.importorskip("openai")
 
 WEATHER = {
     "type": "object",
@@ -293,66 +290,21 @@ TEMPLATE = (
 )
 
 
-@contextlib.contextmanager
-def _running(server: Any) -> Iterator[str]:
-    """Serve ``server`` with uvicorn in a thread on a free port of 127.0.0.1; yields the base URL."""
-    import uvicorn
-
-    from lightning_llmopt.inference.serving import build_app
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert uv.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        uv.should_exit = True
-        thread.join(30)
-
-
 @pytest.fixture(scope="module")
-def tools_served() -> Iterator[SimpleNamespace]:
+def served_url() -> Iterator[str]:
+    """This module's server: the conformance suite's tiny one, with :data:`TEMPLATE` (``client`` talks to it)."""
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
     pytest.importorskip("llguidance")
-    openai = pytest.importorskip("openai")
-    httpx = pytest.importorskip("httpx")
-    from lightning_llmopt.data.tokenizers import ByteTokenizer
-    from lightning_llmopt.inference import LLMEngine
-    from lightning_llmopt.inference.serving import Server
-    from lightning_llmopt.models import Llama, LlamaConfig
+    import _conformance_server as helpers
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.from_preset("tiny", init_std=0.1)).eval()
-    engine = LLMEngine(model, ByteTokenizer(), num_blocks=256, block_size=8, max_num_seqs=16)
-    with _running(Server(engine, "tiny", chat_template=TEMPLATE)) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120,
-                               http_client=httpx.Client(trust_env=False))  # fmt: skip
-        yield SimpleNamespace(url=url, client=client, openai=openai)
-    torch.set_num_threads(threads)
+    with helpers.running(helpers.tiny_server(chat_template=TEMPLATE)) as url:
+        yield url
 
 
 def _valid(name: str, arguments: str) -> None:
-    """``arguments`` is a JSON object valid against tool ``name``'s schema (the test schemas: enums, bounded
-    integers and booleans, all required, nothing else)."""
-    args, schema = json.loads(arguments), SCHEMAS[name]
-    assert isinstance(args, dict) and set(args) == set(schema["required"]), arguments
-    for key, value in args.items():
-        prop = schema["properties"][key]
-        if "enum" in prop:
-            assert value in prop["enum"], arguments
-        elif prop["type"] == "integer":
-            assert isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 9, arguments
-        else:
-            assert isinstance(value, bool), arguments
+    """``arguments`` is JSON text valid against tool ``name``'s schema."""
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
 def _streamed(client: Any, **kw: Any) -> Any:
@@ -366,8 +318,8 @@ def _calls(message: Any) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
-def test_none_and_rendering(tools_served):
-    c = tools_served.client
+def test_none_and_rendering(client):
+    c = client
     history = MSGS + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
@@ -384,8 +336,8 @@ def test_none_and_rendering(tools_served):
     assert offered.usage.prompt_tokens == len(("<tools>get_weather;add;</tools>\n" + rendered).encode())
 
 
-def test_required(tools_served):
-    c = tools_served.client
+def test_required(client):
+    c = client
     kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
               max_tokens=150, temperature=0)  # fmt: skip
     out = c.chat.completions.create(**kw)
@@ -404,8 +356,8 @@ def test_required(tools_served):
         _valid(ch.message.tool_calls[0].function.name, ch.message.tool_calls[0].function.arguments)
 
 
-def test_named_function(tools_served):
-    c = tools_served.client
+def test_named_function(client):
+    c = client
     kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
               max_tokens=150, temperature=0)  # fmt: skip
     out = c.chat.completions.create(**kw)
@@ -417,9 +369,9 @@ def test_named_function(tools_served):
     assert _calls(message) == _calls(choice.message) and reason == "stop"
 
 
-def test_auto_reads_a_hermes_call(tools_served):
+def test_auto_reads_a_hermes_call(client):
     """The regular expression makes the random model write a Hermes call after some text; the parser reads it."""
-    c = tools_served.client
+    c = client
     call = r'\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "[cf]"\}\}'
     regex = rf"Ok\.\n<tool_call>{call}</tool_call>"
     kw = dict(model="tiny", messages=MSGS, tools=TOOLS, max_tokens=150, temperature=0,
@@ -437,8 +389,8 @@ def test_auto_reads_a_hermes_call(tools_served):
     assert plain.choices[0].finish_reason == "stop"  # a call that does not parse stays content
 
 
-def test_bad_tools_over_http(tools_served):
-    c, openai = tools_served.client, tools_served.openai
+def test_bad_tools_over_http(client):
+    c = client
     for kw, param in [
         (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
         (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name"),
