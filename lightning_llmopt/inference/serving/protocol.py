@@ -7,7 +7,8 @@ naming it: nothing is silently ignored. A key sent as ``null`` counts as absent.
 tokenizer's special tokens: true for completions, as transformers and ``llmopt generate`` encode text; false for
 chat, whose template writes them), ``truncate_prompt_tokens`` (keep the prompt's last k tokens; -1: as many as fit
 beside ``max_tokens``) and ``skip_special_tokens`` (leave the tokenizer's special tokens out of the text: true by
-default, as in vLLM); ``stop`` also takes token ids.
+default, as in vLLM); ``stop`` also takes token ids. ``response_format``, vLLM's ``guided_*``/``structured_outputs``
+and chat's ``tools``/``tool_choice``/``parallel_tool_calls`` are read by :mod:`.structured`.
 """
 
 from __future__ import annotations
