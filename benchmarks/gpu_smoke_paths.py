@@ -5,7 +5,8 @@ exits non-zero on a failure, with the failing check in the exception's message.
 
 - ``hf-source``: a random ``debug-1m`` model written as a Hugging Face folder (``to_hf``) for quantize/generate;
 - ``serve``: ``llmopt serve --preset debug-1m`` queried by the official ``openai`` client (completion, chat,
-  streaming), greedy text equal between the streamed and the plain completion;
+  streaming, ``response_format`` with a JSON schema, ``tools`` with ``tool_choice="required"``), greedy text equal
+  between the streamed and the plain completion;
 - ``engine-gqa`` / ``engine-mla`` / ``engine-patterns``: a model trained for a few seconds to continue a period-16
   pattern (wide greedy margins, so bf16 rounding cannot flip a token), then the engine token-exact against plain
   full-recompute greedy decoding: CUDA graphs with the prefix cache (second pass hits it), eager, int8 KV
@@ -21,6 +22,7 @@ exits non-zero on a failure, with the failing check in the exception's message.
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import subprocess
 import sys
@@ -97,7 +99,22 @@ def serve(device: str, workdir: Path) -> None:
                                                      max_tokens=12, temperature=0, stream=True))
         chat_streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chat_streamed == chat.choices[0].message.content, "streamed chat differs from plain chat (greedy)"
-        print(f"serve: ready in {ready:.1f} s; completion, stream, chat, chat stream ok ({len(chunks)} chunks)")
+        schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+                  "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+        shaped = client.chat.completions.create(
+            model="smoke", messages=[{"role": "user", "content": "json"}], max_tokens=48, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        value = json.loads(shaped.choices[0].message.content)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 99, value
+        tool = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
+        called = client.chat.completions.create(
+            model="smoke", messages=[{"role": "user", "content": "call"}], max_tokens=96, temperature=0,
+            tools=[tool], tool_choice="required")
+        calls = called.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "lookup" and called.choices[0].finish_reason == "tool_calls", called
+        assert set(json.loads(calls[0].function.arguments)) == {"ok", "n"}, calls
+        print(f"serve: ready in {ready:.1f} s; completion, stream, chat, chat stream ok ({len(chunks)} chunks); "
+              f"response_format json_schema {value}, tool_choice required {calls[0].function.arguments}")
     finally:
         proc.terminate()
         try:

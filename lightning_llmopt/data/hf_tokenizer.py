@@ -43,6 +43,17 @@ TOKENIZER_FILES = (
 """The files of a Hugging Face tokenizer folder (copied as they are by :meth:`HFTokenizer.save_pretrained`)."""
 
 
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-level table inverted: the printable character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -140,6 +151,28 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Decodes ids to text (special tokens kept unless ``skip_special_tokens``)."""
         return str(self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes, as the model writes them: byte-level BPE tokens through GPT-2's byte table, SentencePiece
+        tokens with ``\u2581`` as a space and ``<0xNN>`` as that byte, added tokens as their UTF-8 (computed once)."""
+        if getattr(self, "_token_bytes", None) is None:
+            decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+            kinds = {d.get("type") for d in [decoder, *decoder.get("decoders", [])]}
+            table = _byte_table() if "ByteLevel" in kinds else None
+            added = {t.content for t in self._tokenizer.get_added_tokens_decoder().values()}
+            out = []
+            for i in range(self.vocab_size):
+                piece = self._tokenizer.id_to_token(i) or ""
+                if piece in added:
+                    out.append(piece.encode())
+                elif table is not None:
+                    out.append(bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode())
+                elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    out.append(bytes([int(piece[3:5], 16)]))
+                else:
+                    out.append(piece.replace("\u2581", " ").encode())
+            self._token_bytes: list[bytes] | None = out
+        return list(self._token_bytes or [])
 
     def apply_chat_template(
         self,

@@ -1,5 +1,5 @@
 """The FastAPI application of ``llmopt serve``: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and
-``/v1/models``, plus ``/health`` and ``/metrics``.
+``/v1/models`` (and ``/v1/models/{model}``), plus ``/health`` and ``/metrics``.
 
 Handlers validate the body (:mod:`.protocol`), check the prompt against the engine (token ids, context length),
 hand the request to the engine loop (:mod:`.async_engine`) and read its events: as server-sent events in OpenAI's
@@ -361,13 +361,22 @@ def _generation_routes(app: Any, server: Server) -> None:
     """The ``/v1`` routes."""
     from fastapi import Request
 
+    def card(request: Request) -> dict[str, Any]:
+        server.authorize(request.headers.get("authorization"))
+        found = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "lightning_llmopt"}
+        if server.core.engine is not None:
+            found["max_model_len"] = server.core.engine.max_model_len
+        return found
+
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
-        server.authorize(request.headers.get("authorization"))
-        card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "lightning_llmopt"}
-        if server.core.engine is not None:
-            card["max_model_len"] = server.core.engine.max_model_len
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(request)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> Any:
+        found = card(request)
+        server.check_model(model)
+        return found
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

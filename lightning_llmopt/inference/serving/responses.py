@@ -112,25 +112,49 @@ def _piece(tokenizer: Any, token: int) -> str:
         return ""
 
 
+_TABLES: dict[int, tuple[Any, list[bytes]]] = {}  # id(tokenizer) -> (tokenizer, each id's bytes)
+
+
+def _token_bytes(tokenizer: Any, token: int) -> bytes:
+    """The bytes a token writes: from the tokenizer's ``token_bytes()`` table when it has one, else its text."""
+    table = getattr(tokenizer, "token_bytes", None)
+    if not callable(table):
+        return _piece(tokenizer, token).encode()
+    cached = _TABLES.get(id(tokenizer))
+    if cached is None or cached[0] is not tokenizer:
+        cached = _TABLES[id(tokenizer)] = (tokenizer, table())
+    return cached[1][token] if 0 <= token < len(cached[1]) else b""
+
+
+def _token(tokenizer: Any, token: int) -> tuple[str, list[int]]:
+    """A token as OpenAI names it, and its bytes: its text when its bytes are whole UTF-8, else ``bytes:\\xNN...``
+    (so that tokens holding different parts of a character get different names)."""
+    raw = _token_bytes(tokenizer, token) if tokenizer is not None else str(token).encode()
+    try:
+        return raw.decode("utf-8"), list(raw)
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+
 def format_logprobs(kind: str, tokenizer: Any, lps: list[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
     """OpenAI's ``logprobs`` object of a choice: the legacy per-token lists for completions (``text_offset`` from
-    ``offset``), ``{"content": [...]}`` for chat."""
+    ``offset``), ``{"content": [...]}`` for chat. Tokens are named by :func:`_token`."""
     if kind == "chat":
         content = []
         for lp in lps:
-            tok = _piece(tokenizer, lp.token)
-            top = [{"token": (s := _piece(tokenizer, t)), "logprob": v, "bytes": list(s.encode())} for t, v in lp.top]
-            content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()), "top_logprobs": top})
+            tok, raw = _token(tokenizer, lp.token)
+            top = [{"token": (n := _token(tokenizer, t))[0], "logprob": v, "bytes": n[1]} for t, v in lp.top]
+            content.append({"token": tok, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
-    tokens = [_piece(tokenizer, lp.token) for lp in lps]
+    tokens = [_token(tokenizer, lp.token)[0] for lp in lps]
     offsets = []
-    for t in tokens:
+    for lp in lps:
         offsets.append(offset)
-        offset += len(t)
+        offset += len(_piece(tokenizer, lp.token))
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{_piece(tokenizer, t): v for t, v in lp.top} for lp in lps],
+        "top_logprobs": [{_token(tokenizer, t)[0]: v for t, v in lp.top} for lp in lps],
         "text_offset": offsets,
     }
 
