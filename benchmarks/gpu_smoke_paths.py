@@ -109,7 +109,7 @@ def serve(device: str, workdir: Path) -> None:
         tool = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
         called = client.chat.completions.create(
             model="smoke", messages=[{"role": "user", "content": "call"}], max_tokens=96, temperature=0,
-            tools=[tool], tool_choice="required")
+            tools=[tool], tool_choice="required", parallel_tool_calls=False)
         calls = called.choices[0].message.tool_calls
         assert calls and calls[0].function.name == "lookup" and called.choices[0].finish_reason == "tool_calls", called
         assert set(json.loads(calls[0].function.arguments)) == {"ok", "n"}, calls

@@ -230,7 +230,7 @@ def test_framework_errors_are_openai_error_objects(api, monkeypatch):
     assert err["code"] == "not_found" and "/v1/nothing-here" in err["message"]
     _is_openai_error(http.post("/v2/completions", json={}), 404)
     with pytest.raises(openai.NotFoundError) as e:  # an OpenAI route we do not serve, through the official client
-        api.client.models.retrieve("bos-llama")
+        api.client.embeddings.create(model="bos-llama", input="x")
     assert _error(e)["code"] == "not_found"
 
     r = http.get("/v1/completions")  # GET on a POST route
