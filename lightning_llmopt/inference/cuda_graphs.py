@@ -196,28 +196,14 @@ class DecodeGraphs:
         The sizes are captured in the order the runner's linear chooser asks for (``tuning_order``: the few-row
         buckets by bisection, so that the middle ones can take the decision of the two around them without being
         timed), else ascending."""
-        chooser = getattr(self.runner, "linear", None)
-        order = chooser.tuning_order(self.sizes) if hasattr(chooser, "tuning_order") else self.sizes
-        batches = chooser.ahead_batches(order) if hasattr(chooser, "ahead_batches") else []
-        for b in order:
+        order = getattr(getattr(self.runner, "linear", None), "tuning_order", None)
+        for b in order(self.sizes) if order is not None else self.sizes:
             if not self.capture:
                 return
             if b not in self.graphs:
-                ahead = next((sizes for sizes in batches if sizes[0] == b), None)
-                if ahead is not None and any(m not in self.graphs for m in ahead):
-                    self._compile_ahead(chooser, ahead, progress)
                 if progress is not None:
                     progress(f"cuda graph {b} rows")
                 self._step(b)
-
-    def _compile_ahead(self, chooser: Any, sizes: tuple[int, ...], progress: Callable[[str], None] | None) -> None:
-        """The chooser's GEMV compilations for steps of ``sizes`` rows, in one parallel batch (phase ``compile ahead
-        <sizes> rows``): the warm-ups that follow find their search candidates compiled."""
-        if progress is not None:
-            progress(f"compile ahead {', '.join(map(str, sizes))} rows")
-        chooser.compile_ahead(
-            [lambda b=b: self.runner.forward(self._inputs(b), max_context=self.max_context) for b in sizes]
-        )
 
     def _fill(self, work: list[Work], b: int) -> int:
         """Stage the rows in pinned memory and copy them (asynchronously) into the static buffers; returns the row

@@ -322,9 +322,7 @@ def _launch_gemv(x: Tensor, weights: list[Tensor], biases: list[Tensor] | None, 
             prune_configs_by={"early_config_prune": _prune(False)},
         )(triton.heuristics({"EVEN": _even})(_gemv_kernel))
     launch = {"launch_pdl": True} if consts["PDL"] else {}
-    grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
-    if not precompile.collect_call(_tuned_gemv, grid, *args, **consts, **launch):  # collecting: compile ahead only
-        _tuned_gemv[grid](*args, **consts, **launch)
+    _tuned_gemv[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)](*args, **consts, **launch)
     return y, res
 
 
@@ -345,9 +343,7 @@ def _launch_rows(args: tuple, consts: dict, M: int, n_out: int, ieee: bool) -> N
             prune_configs_by={"early_config_prune": _prune(True)},
         )(_gemv_rows_kernel)
     launch = {"launch_pdl": True} if consts["PDL"] else {}
-    grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)  # noqa: E731
-    if not precompile.collect_call(_tuned_rows, grid, *args, **consts, IEEE=ieee, BLOCK_M=16, **launch):
-        _tuned_rows[grid](*args, **consts, IEEE=ieee, BLOCK_M=16, **launch)
+    _tuned_rows[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)](*args, **consts, IEEE=ieee, BLOCK_M=16, **launch)
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

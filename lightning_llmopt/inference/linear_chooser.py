@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -76,8 +75,6 @@ class LinearChooser:
         self.tuning_s = 0.0  # seconds spent timing them
         self.inherit = inherit_default()  # infer a bucket between two agreeing decided buckets (see the docstring)
         self.inherited = 0  # decisions inferred so, not timed
-        self.ahead_calls = 0  # compilations :meth:`compile_ahead` gathered
-        self.collecting = False  # :meth:`compile_ahead` running: undecided GEMVs are compiled, not launched or timed
 
     def tuning_order(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """``sizes`` (row counts of the decode graphs) in the order their first runs should decide: one row, then the
@@ -185,42 +182,8 @@ class LinearChooser:
         w0 = lins[0].weight
         return all(lin.weight.dtype == w0.dtype and lin.weight.shape[1] == w0.shape[1] for lin in lins)
 
-    def ahead_batches(self, order: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """The row counts of ``order`` (:meth:`tuning_order`) whose GEMV compilations :meth:`compile_ahead` gathers
-        into one batch, each batch before the first of its sizes is warmed up: one row and the smallest few-row
-        count together (the one-row kernel's candidates and the few-row kernel's), then the few-row counts that are
-        multiples of 16 (Triton compiles the few-row kernel again for them: its row count is specialised as
-        divisible by 16), once their configurations were chosen. Other few-row counts reuse the first one's."""
-        few = [m for m in order if bucket(m)]
-        first = tuple([m for m in few if m == 1][:1] + [m for m in few if m > 1][:1])
-        sixteens = tuple(m for m in few if m % 16 == 0 and m not in first)
-        return [b for b in (first, sixteens) if b]
-
-    def compile_ahead(self, forwards: Iterable[Callable[[], Any]]) -> int:
-        """Run each of ``forwards`` (steps over the graphs' static buffers) with every GEMV whose decision is not yet
-        known (or known to be the GEMV) compiled rather than launched, the unfused path computing the step; then
-        compile what was gathered in one batch on :func:`~lightning_llmopt.kernels.precompile.compile_threads`
-        threads. Decides, times and stores nothing; returns how many compilations were gathered."""
-        from lightning_llmopt.kernels import precompile
-
-        self.collecting = True
-        try:
-            with precompile.collecting() as calls:
-                for forward in forwards:
-                    forward()
-        finally:
-            self.collecting = False
-        self.ahead_calls += len(calls)
-        precompile.compile_all(calls)
-        return len(calls)
-
     def _choose(self, key: tuple, triton_fn: Any, torch_fn: Any) -> Tensor:
         use = self.use_gemv.get(key) if self.force is None else self.force
-        if self.collecting:
-            stored = self.store.get("linear", key) if use is None and self.store is not None else None
-            if use is not False and stored is not False:
-                triton_fn()  # under precompile.collecting(): its compilations gathered, nothing launched
-            return torch_fn()
         if use is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return torch_fn()

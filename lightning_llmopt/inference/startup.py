@@ -5,8 +5,6 @@ A build is a sequence of phases, each started by :meth:`StartupLog.mark` (which 
 - ``load weights`` (:meth:`LLMEngine.from_pretrained`, ``llmopt serve``) or ``random init`` (``--preset``);
 - ``kv pool``: the pool's size from free GPU memory, and its allocation;
 - ``runner``: the model runner, the tuning cache (:mod:`.tuning_cache`) opened;
-- ``compile ahead <rows> rows``: before the first graph of those row counts, every GEMV candidate their searches will
-  time (and the configurations already chosen that Triton compiles again for them) compiled in one parallel batch;
 - ``cuda graph <b> rows``, one per captured batch size: two warm-up passes and the capture; the warm-up is where
   each new row bucket's kernel choices are made (cuBLAS or a Triton GEMV, timed; ``triton.autotune`` searches) and
   where Triton compiles;
@@ -14,9 +12,7 @@ A build is a sequence of phases, each started by :meth:`StartupLog.mark` (which 
 
 Each phase records, beside its seconds, what happened inside it: ``linear_tunings``/``linear_tuning_s`` (the
 :class:`~.linear_chooser.LinearChooser` decisions timed), ``linear_inherited`` (its decisions inferred from the
-buckets around them, not timed), ``ahead_compiles`` (GEMV compilations gathered by the ``compile ahead ... rows``
-phases, which run before the graph sizes whose searches they serve and compile them in one parallel batch),
-``quant_tunings``/``quant_tuning_s`` (quantized matmul
+buckets around them, not timed), ``quant_tunings``/``quant_tuning_s`` (quantized matmul
 searches), ``triton_compiles``/``triton_compile_s``/``triton_compile_cache_hits`` and
 ``triton_autotunes``/``triton_autotune_s``/``triton_autotune_cache_hits`` (Triton's listeners, on CUDA),
 ``parallel_compiles``/``parallel_compile_s`` (search candidates compiled on threads before being timed,

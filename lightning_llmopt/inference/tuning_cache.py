@@ -286,8 +286,7 @@ def attach(
             out: dict[str, float] = {}
             if chooser is not None:
                 out.update(linear_tunings=float(chooser.tunings), linear_tuning_s=chooser.tuning_s,
-                           linear_inherited=float(getattr(chooser, "inherited", 0)),
-                           ahead_compiles=float(getattr(chooser, "ahead_calls", 0)))
+                           linear_inherited=float(getattr(chooser, "inherited", 0)))
             if shared_counters and quant_matmul_tune is not None:
                 out["quant_tunings"] = float(quant_matmul_tune.TUNE_STATS["tunings"])
                 out["quant_tuning_s"] = float(quant_matmul_tune.TUNE_STATS["seconds"])

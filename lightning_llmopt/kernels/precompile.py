@@ -10,12 +10,7 @@ launched), then times them as before, each launch now finding its kernel compile
 
 - :func:`autotune`: ``triton.autotune`` whose searches do that (every autotuned kernel of the package uses it);
 - :func:`compile_all`: runs compile-only calls on the pool (the quantized matmul's own search,
-  :mod:`~lightning_llmopt.kernels.quant_matmul_tune`, passes its candidates' ``launch(..., compile_only=True)``);
-- :func:`collecting` and :func:`collect_call`: gather the compilations of many searches (of different keys and
-  kernels) without launching or timing anything, so that one :func:`compile_all` batch compiles them all before
-  the first search is timed (the engine does so for its GEMVs before the decode graphs are warmed up: a search of
-  4 or 8 candidates leaves most of the pool idle). A call whose search is due hands over its pruned candidates; one
-  whose key is already tuned (in memory or in Triton's disk cache) hands over its chosen configuration only.
+  :mod:`~lightning_llmopt.kernels.quant_matmul_tune`, passes its candidates' ``launch(..., compile_only=True)``).
 
 A search answered from Triton's disk cache of autotuning results compiles nothing ahead. Errors in the ahead-of-time
 compilation are ignored: the search meets the same configuration again and handles it as it always did (an
@@ -30,65 +25,20 @@ This module imports no Triton at import time.
 from __future__ import annotations
 
 import concurrent.futures as futures
-import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["STATS", "autotune", "collect_call", "collecting", "compile_all", "compile_threads", "parallel_search"]
+__all__ = ["STATS", "autotune", "compile_all", "compile_threads", "parallel_search"]
 
 MAX_DEFAULT_THREADS = 8
 # what was compiled ahead in this process: batches (searches), calls, their wall seconds (the start-up log reads it)
 STATS = {"batches": 0, "calls": 0, "seconds": 0.0}
 _LOCK = threading.Lock()
-_COLLECT = threading.local()  # .calls: the list :func:`collecting` gathers into on this thread
-
-
-class _Collected(Exception):
-    """Raised by a search's first timing under :func:`collecting`, once its candidates are handed over."""
-
-
-@contextlib.contextmanager
-def collecting() -> Iterator[list[Callable[[], Any]]]:
-    """Within the block, :func:`collect_call` gathers compile-only calls into the list yielded (this thread only)."""
-    outer = getattr(_COLLECT, "calls", None)
-    calls: list[Callable[[], Any]] = []
-    _COLLECT.calls = calls
-    try:
-        yield calls
-    finally:
-        _COLLECT.calls = outer
-
-
-def collect_call(tuner: Any, grid: Any, *args: Any, **kwargs: Any) -> bool:
-    """Under :func:`collecting`, gather what launching the :func:`parallel_search` ``tuner`` on ``args`` would compile
-    (its pruned candidates when a search is due, else its chosen configuration), launching and timing nothing, and
-    return ``True``; outside it (or for a tuner without the hooks), do nothing and return ``False``. The search's
-    state is left as before (no result is cached); the shared-memory prune it ran is not counted as a search."""
-    calls = getattr(_COLLECT, "calls", None)
-    real = getattr(tuner, "_llmopt_fn", None)
-    if calls is None or real is None:
-        return False
-    from lightning_llmopt.kernels import shared_memory
-
-    class Recorder:  # the tuner's launch of its chosen configuration, as a compile-only call
-        def run(self, *a: Any, **kw: Any) -> None:
-            calls.append(lambda: real.run(*a, **{**kw, "warmup": True}))
-
-    searches = shared_memory.searches()
-    tuner.fn = Recorder()
-    try:
-        tuner.run(*args, grid=grid, warmup=True, **kwargs)
-    except _Collected:
-        pass
-    finally:
-        tuner.fn = real
-        shared_memory.discount(shared_memory.searches() - searches)
-    return True
 
 
 def compile_threads() -> int:
@@ -151,20 +101,14 @@ def parallel_search(tuner: Any) -> Any:
         pending[:] = [list(configs)]
         return configs
 
-    fn = tuner.fn
-    tuner._llmopt_fn = fn  # the kernel itself (:func:`collect_call` stands in for it while collecting)
-
     def timed(*args: Any, config: Any, **meta: Any) -> Any:
         if pending:  # the search's first timing: compile every candidate first
             configs = pending.pop()
+            fn = tuner.fn
 
             def compile_only(c: Any) -> Callable[[], Any]:
                 return lambda: fn.run(*args, **{**meta, **c.all_kwargs(), "warmup": True})
 
-            collected = getattr(_COLLECT, "calls", None)
-            if collected is not None:  # collect_call: hand the candidates over, time nothing, keep no result
-                collected.extend(compile_only(c) for c in configs)
-                raise _Collected
             compile_all(compile_only(c) for c in configs)
         return bench(*args, config=config, **meta)
 

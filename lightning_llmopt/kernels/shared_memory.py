@@ -43,7 +43,6 @@ __all__ = [
     "first_device",
     "fit",
     "register",
-    "discount",
     "searches",
 ]
 
@@ -118,12 +117,6 @@ def first_device(named_args: dict[str, Any]) -> torch.device | None:
 def searches() -> int:
     """Prunes run in this process: one per autotuning search of the package's kernels."""
     return _searches[0]
-
-
-def discount(n: int) -> None:
-    """Take back ``n`` prunes that were no search (a search's candidates collected ahead, then searched for real)."""
-    with _lock:
-        _searches[0] -= n
 
 
 def fit(kernel: str, configs: Sequence[C], estimate: Callable[[C], int], limit: int | None, call: str = "",

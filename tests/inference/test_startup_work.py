@@ -149,9 +149,8 @@ def test_graph_warmups_count_and_greedy_tokens(monkeypatch: pytest.MonkeyPatch) 
         graphs.capture_all(startup.mark)
         startup.done()
         assert sorted(captured) == [1, 2, 4, 8, 16]
-        ahead = {1: ["compile ahead 1, 2 rows"], 16: ["compile ahead 16 rows"]}  # each before its first size
-        assert [p.name for p in startup.phases if p.name.startswith(("cuda graph", "compile ahead"))] == [
-            name for b in captured for name in [*ahead.get(b, []), f"cuda graph {b} rows"]
+        assert [p.name for p in startup.phases if p.name.startswith("cuda graph")] == [
+            f"cuda graph {b} rows" for b in captured
         ]
         out = [c.token_ids for c in engine.generate(prompts, params)]
         return engine, startup, out
@@ -175,87 +174,3 @@ def test_graph_warmups_count_and_greedy_tokens(monkeypatch: pytest.MonkeyPatch) 
     assert {k[0] for k in seen if k[-1] == 4} == {"swiglu", "norm+swiglu"}
     ref = [c.token_ids for c in LLMEngine(model, num_blocks=64, block_size=8).generate(prompts, params)]
     assert out == out_every == ref
-
-
-class _Config:
-    def __init__(self, block: int) -> None:
-        self.kwargs = {"BLOCK": block}
-
-    def all_kwargs(self) -> dict[str, int]:
-        return {**self.kwargs, "num_warps": 4}
-
-
-class _Fn:
-    def __init__(self) -> None:
-        self.calls: list[dict] = []
-
-    def run(self, *args, **kwargs) -> None:
-        self.calls.append({"args": args, **kwargs})
-
-
-class _Tuner:
-    """Triton's Autotuner as far as precompile uses it: ``fn``, ``prune_configs``, ``_bench`` and ``run`` (a search
-    per new key: prune, time each candidate, keep the fastest; then launch the chosen one)."""
-
-    def __init__(self, blocks: tuple[int, ...]) -> None:
-        self.fn, self.configs, self.cache = _Fn(), [_Config(b) for b in blocks], {}
-
-    def prune_configs(self, kwargs):
-        from lightning_llmopt.kernels import shared_memory
-
-        return shared_memory.fit("fake", self.configs[1:], lambda c: 0, None)  # counts a search, prunes the first
-
-    def _bench(self, *args, config, **meta):
-        self.fn.run(*args, **meta, **config.all_kwargs())
-        return float(config.kwargs["BLOCK"])
-
-    def run(self, *args, **kwargs):
-        key = args[1]
-        if key not in self.cache:
-            timings = {c: self._bench(*args, config=c, **kwargs) for c in self.prune_configs(kwargs)}
-            self.cache[key] = min(timings, key=timings.get)
-        return self.fn.run(*args, **kwargs, **self.cache[key].all_kwargs())
-
-
-def test_collect_call_gathers_compilations_and_times_nothing() -> None:
-    from lightning_llmopt.kernels import precompile, shared_memory
-
-    tuner = precompile.parallel_search(_Tuner((16, 32, 64)))
-    fn = tuner.fn
-    assert not precompile.collect_call(tuner, (1,), "x", 7)  # outside collecting(): nothing
-    searches = shared_memory.searches()
-    with precompile.collecting() as calls:
-        assert precompile.collect_call(tuner, (1,), "x", 7, FLAG=True)
-    assert len(calls) == 2 and fn.calls == [] and tuner.cache == {} and tuner.fn is fn  # nothing timed or kept
-    assert shared_memory.searches() == searches  # the collecting prune is no search
-    for call in calls:
-        call()
-    assert [(c["BLOCK"], c["warmup"], c["FLAG"], c["grid"]) for c in fn.calls] == [(32, True, True, (1,)),
-                                                                                  (64, True, True, (1,))]  # fmt: skip
-    fn.calls.clear()
-    tuner.run("x", 7, grid=(1,), warmup=False)  # the real search: its candidates are not collected again
-    assert tuner.cache[7].kwargs["BLOCK"] == 32 and shared_memory.searches() == searches + 1
-    fn.calls.clear()
-    with precompile.collecting() as calls:  # a tuned key: its chosen configuration only
-        assert precompile.collect_call(tuner, (1,), "y", 7)
-    assert fn.calls == [] and len(calls) == 1
-    calls[0]()
-    assert [(c["args"], c["BLOCK"], c["warmup"]) for c in fn.calls] == [(("y", 7), 32, True)]
-
-
-def test_chooser_collect_mode_compiles_undecided_gemvs_and_computes_the_unfused_step() -> None:
-    chooser = LinearChooser()
-    chooser.use_gemv[("b", 2)] = False
-    chooser.use_gemv[("c", 2)] = True
-    ran: list[str] = []
-
-    def step() -> None:
-        for name in "abc":
-            out = chooser._choose((name, 2), lambda n=name: ran.append(f"gemv {n}"), lambda n=name: f"torch {n}")
-            assert out == f"torch {name}"
-
-    assert chooser.compile_ahead([step]) == 0  # (the fake GEMVs gather nothing)
-    assert ran == ["gemv a", "gemv c"] and chooser.tunings == 0 and ("a", 2) not in chooser.use_gemv
-    assert not chooser.collecting
-    assert chooser.ahead_batches((1, 2, 16, 4, 8, 32, 64)) == [(1, 2), (16,)]
-    assert chooser.ahead_batches((2, 8, 4)) == [(2,)] and chooser.ahead_batches((32, 64)) == []
