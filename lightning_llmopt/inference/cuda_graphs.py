@@ -191,13 +191,8 @@ class DecodeGraphs:
         capture (with its Triton compilation, over a second on an H100: speculative verify steps reach sizes a
         warm-up may not have); the engine calls this at start. The buffers hold padding rows meanwhile (context 0,
         the null block's slot), which the warm-up and replay may compute. ``progress`` is called with a phase name
-        before each size (:meth:`~lightning_llmopt.inference.startup.StartupLog.mark`).
-
-        The sizes are captured in the order the runner's linear chooser asks for (``tuning_order``: the few-row
-        buckets by bisection, so that the middle ones can take the decision of the two around them without being
-        timed), else ascending."""
-        order = getattr(getattr(self.runner, "linear", None), "tuning_order", None)
-        for b in order(self.sizes) if order is not None else self.sizes:
+        before each size (:meth:`~lightning_llmopt.inference.startup.StartupLog.mark`)."""
+        for b in self.sizes:
             if not self.capture:
                 return
             if b not in self.graphs:

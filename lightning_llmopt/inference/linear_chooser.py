@@ -20,7 +20,7 @@ from lightning_llmopt.inference.gemv import (
     pdl_enabled,
 )
 
-__all__ = ["LinearChooser", "bucket"]
+__all__ = ["LinearChooser"]
 
 
 def _split(y: Tensor, lins: tuple[Any, ...]) -> tuple[Tensor, ...]:
@@ -29,18 +29,8 @@ def _split(y: Tensor, lins: tuple[Any, ...]) -> tuple[Tensor, ...]:
 
 def _rows(x: Tensor) -> int:
     """The row-count bucket a decision is taken for: 1, 2, 4, 8 or 16 (0: too many rows for the GEMVs)."""
-    return bucket(x.shape[0])
-
-
-def bucket(m: int) -> int:
-    """The row-count bucket of ``m`` rows: the next power of two up to :data:`~.gemv.MAX_ROWS` (0: more rows)."""
+    m = x.shape[0]
     return 0 if not 1 <= m <= MAX_ROWS else 1 << (m - 1).bit_length()
-
-
-def inherit_default() -> bool:
-    """Whether a chooser infers bracketed buckets (:meth:`LinearChooser.tuning_order`): yes unless
-    ``LLMOPT_TUNE_EVERY_BUCKET`` is set to something other than ``0``."""
-    return os.environ.get("LLMOPT_TUNE_EVERY_BUCKET", "0").strip() in ("", "0")
 
 
 def _plain(lin: Any) -> bool:
@@ -53,16 +43,7 @@ class LinearChooser:
     always take ``F.linear``). :meth:`qkv` and :meth:`swiglu` likewise choose between one fused launch
     (:func:`gemv_cat`, :func:`gemv_swiglu`) and the separate products. Measured on an H100 (2026-11-26): a 5-row
     verify pass of a 16-layer, 1024-wide model took 0.81 ms through cuBLAS and 0.58 ms through the few-row GEMVs
-    (one row through the GEMVs: 0.45-0.47 ms).
-
-    Bracketed buckets are inferred, not timed (``inherit``, on by default; ``LLMOPT_TUNE_EVERY_BUCKET=1`` times every
-    bucket). From 2 to 16 rows the GEMV is one kernel (:func:`~.gemv._gemv_rows_kernel`, the rows padded to 16 on the
-    tensor cores) with one configuration (its autotuning key has no row count): it streams the same weight with the
-    same launch whatever the rows, so its time does not grow with them, and cuBLAS reads that weight too, more rows
-    costing it no less. So when the decisions at two timed buckets agree, every bucket between them takes it: a
-    weight shape that takes the GEMV at 2 and at 16 rows takes it at 4 and 8. :meth:`tuning_order` orders the graph
-    sizes so that the endpoints are timed first (1, 2, 16, then 4 and 8, each between two decided buckets); a
-    decision inferred so is counted in ``inherited`` and not stored (the store keeps what was measured)."""
+    (one row through the GEMVs: 0.45-0.47 ms)."""
 
     def __init__(self) -> None:
         self.use_gemv: dict[tuple, bool] = {}
@@ -73,31 +54,6 @@ class LinearChooser:
         self.store: Any = None
         self.tunings = 0  # decisions timed (not found in ``use_gemv`` or the store)
         self.tuning_s = 0.0  # seconds spent timing them
-        self.inherit = inherit_default()  # infer a bucket between two agreeing decided buckets (see the docstring)
-        self.inherited = 0  # decisions inferred so, not timed
-
-    def tuning_order(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """``sizes`` (row counts of the decode graphs) in the order their first runs should decide: one row, then the
-        few-row buckets by bisection (the smallest and the largest, then each middle bucket between two decided
-        ones), then the sizes past :data:`~.gemv.MAX_ROWS` (cuBLAS only). Ascending when ``inherit`` is off."""
-        if not self.inherit:
-            return tuple(sorted(sizes))
-        groups: dict[int, list[int]] = {}
-        for s in sorted(sizes):
-            groups.setdefault(bucket(s), []).append(s)
-        multi = sorted(b for b in groups if b >= 2)
-
-        def bisect(lo: int, hi: int) -> list[int]:  # the buckets strictly between multi[lo] and multi[hi]
-            if hi - lo < 2:
-                return []
-            mid = (lo + hi) // 2
-            return [multi[mid], *bisect(lo, mid), *bisect(mid, hi)]
-
-        order = [1] if 1 in groups else []
-        if multi:
-            order += [multi[0], *([multi[-1]] if len(multi) > 1 else []), *bisect(0, len(multi) - 1)]
-        order += [0] if 0 in groups else []
-        return tuple(s for b in order for s in groups[b])
 
     def _on_device(self, x: Tensor) -> bool:
         return x.device.type == "cuda" or (self.force is True and os.environ.get("TRITON_INTERPRET") == "1")
@@ -196,11 +152,6 @@ class LinearChooser:
         if isinstance(stored, bool):
             self.use_gemv[key] = stored
             return stored
-        inferred = self._bracketed(key) if self.inherit else None
-        if inferred is not None:
-            self.use_gemv[key] = inferred
-            self.inherited += 1
-            return inferred
         start = time.perf_counter()
         self.use_gemv[key] = self._measure(triton_fn, torch_fn)
         self.tunings += 1
@@ -208,20 +159,6 @@ class LinearChooser:
         if self.store is not None:
             self.store.put("linear", key, self.use_gemv[key])
         return self.use_gemv[key]
-
-    def _bracketed(self, key: tuple) -> bool | None:
-        """The decision of the nearest decided few-row buckets below and above ``key``'s (same weights), if both
-        exist and agree (see the class docstring); ``None`` otherwise."""
-        rows, stem = key[-1], key[:-1]
-        if not 2 < rows < MAX_ROWS:
-            return None
-        decided = {k[-1]: v for k, v in self.use_gemv.items() if k[:-1] == stem and k[-1] >= 2}
-        below = [b for b in decided if b < rows]
-        above = [b for b in decided if b > rows]
-        if not below or not above:
-            return None
-        lo, hi = decided[max(below)], decided[min(above)]
-        return lo if lo == hi else None
 
     def _measure(self, triton_fn: Any, torch_fn: Any) -> bool:
         """Whether the Triton GEMV beats ``torch_fn`` (timed on the GPU, see below)."""

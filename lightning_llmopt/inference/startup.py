@@ -11,8 +11,7 @@ A build is a sequence of phases, each started by :meth:`StartupLog.mark` (which 
 - ``speculative`` and ``speculative round graphs`` when decoding speculatively.
 
 Each phase records, beside its seconds, what happened inside it: ``linear_tunings``/``linear_tuning_s`` (the
-:class:`~.linear_chooser.LinearChooser` decisions timed), ``linear_inherited`` (its decisions inferred from the
-buckets around them, not timed), ``quant_tunings``/``quant_tuning_s`` (quantized matmul
+:class:`~.linear_chooser.LinearChooser` decisions timed), ``quant_tunings``/``quant_tuning_s`` (quantized matmul
 searches), ``triton_compiles``/``triton_compile_s``/``triton_compile_cache_hits`` and
 ``triton_autotunes``/``triton_autotune_s``/``triton_autotune_cache_hits`` (Triton's listeners, on CUDA),
 ``parallel_compiles``/``parallel_compile_s`` (search candidates compiled on threads before being timed,

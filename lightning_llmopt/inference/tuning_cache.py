@@ -285,8 +285,7 @@ def attach(
         def counters() -> dict[str, float]:
             out: dict[str, float] = {}
             if chooser is not None:
-                out.update(linear_tunings=float(chooser.tunings), linear_tuning_s=chooser.tuning_s,
-                           linear_inherited=float(getattr(chooser, "inherited", 0)))
+                out.update(linear_tunings=float(chooser.tunings), linear_tuning_s=chooser.tuning_s)
             if shared_counters and quant_matmul_tune is not None:
                 out["quant_tunings"] = float(quant_matmul_tune.TUNE_STATS["tunings"])
                 out["quant_tuning_s"] = float(quant_matmul_tune.TUNE_STATS["seconds"])
