@@ -133,7 +133,8 @@ class Grammars:
         self.end_ids = frozenset(self.tokenizer.eos_tokens)
         self._fresh: dict[str, Any] = {}  # key -> matcher at the grammar's start
         self._executor = self._ll.LLExecutor()
-        self._bits: Tensor | None = None  # (N, words) host buffer, grown on demand
+        self._bits: Tensor | None = None  # (N, words) host buffer (pinned on CUDA), grown on demand
+        self._shifts: Tensor | None = None  # 0..31 on the logits' device
         self.mask_s, self.mask_calls = 0.0, 0  # host time computing masks, and the steps that did
 
     def check(self, so: StructuredOutput) -> None:
@@ -162,30 +163,31 @@ class Grammars:
 
     def mask(self, logits: Tensor, rows: Sequence[int], matchers: Sequence[Matcher]) -> Tensor:
         """``logits`` ``(N, V)`` with the tokens ``matchers[i]`` refuses at row ``rows[i]`` set to ``-inf`` (a new
-        tensor; the others rows unchanged)."""
-        n = len(rows)
+        tensor; the other rows unchanged). One host buffer of ``(N, words)`` bits, all set for the unconstrained
+        rows, goes up in one copy: no per-step index tensors, no gather and scatter of rows."""
+        n, device = logits.shape[0], logits.device
         if self._bits is None or self._bits.shape[0] < n:
-            pin = logits.device.type == "cuda"
-            self._bits = torch.empty(max(n, 8), self.words, dtype=torch.int32, pin_memory=pin)
+            self._bits = torch.empty(max(n, 8), self.words, dtype=torch.int32, pin_memory=device.type == "cuda")
+            self._shifts = None
         bits = self._bits[:n]
         start = time.perf_counter()
+        if len(rows) < n:
+            bits.fill_(-1)  # every token allowed
         self._executor.unsafe_compute_mask_ptr(
-            [(m.handle, i) for i, m in enumerate(matchers)], bits.data_ptr(), self.words * 4, n
+            [(m.handle, r) for r, m in zip(rows, matchers, strict=True)], bits.data_ptr(), self.words * 4, n
         )
         self.mask_s += time.perf_counter() - start
         self.mask_calls += 1
-        index = torch.tensor(list(rows), dtype=torch.long)
-        if logits.device.type == "cuda":
-            index = index.pin_memory()
-        index = index.to(logits.device, non_blocking=True)
-        words = bits.to(logits.device, non_blocking=True)
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # (n, words * 32)
+        if self._shifts is None or self._shifts.device != device:
+            self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        words = bits.to(device, non_blocking=True)
+        allowed = ((words.unsqueeze(-1) >> self._shifts) & 1).bool().flatten(1)  # (N, words * 32)
         width = logits.shape[1]
         if allowed.shape[1] < width:  # model vocabulary padded past the tokenizer's
             allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
-        sub = logits.index_select(0, index).masked_fill(~allowed[:, :width], float("-inf"))
-        return logits.index_copy(0, index, sub)
+            if len(rows) < n:  # unconstrained rows keep the padding columns as they were
+                allowed[[i for i in range(n) if i not in set(rows)], self.words * 32 :] = True
+        return logits.masked_fill(~allowed[:, :width], float("-inf"))
 
 
 def constrain(grammars: Grammars, logits: Tensor, seqs: Sequence[Any]) -> Tensor:
