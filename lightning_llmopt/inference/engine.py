@@ -25,7 +25,7 @@ from lightning_llmopt.inference.block_manager import BlockManager
 from lightning_llmopt.inference.config import EngineConfig
 from lightning_llmopt.inference.cuda_graphs import DecodeGraphs, graph_sizes, step_logits
 from lightning_llmopt.inference.engine_outputs import EngineOutputs
-from lightning_llmopt.inference.grammar import constrain, prefetch
+from lightning_llmopt.inference.grammar import constrain
 from lightning_llmopt.inference.inputs import Prompt, encode_prompt, prepare_batch, validate_prompt
 from lightning_llmopt.inference.kv_groups import GroupedPool, make_kv
 from lightning_llmopt.inference.kv_pool import KVPool, KVScales
@@ -403,10 +403,7 @@ class LLMEngine(EngineOutputs):
             logits = constrain(self.grammars(), logits, seqs)
         histories = [(s.tokens, s.prompt_len) for s in seqs] if any(p.penalised for p in params) else None
         out = sample_batch(logits, params, [s.generator for s in seqs], histories)
-        events = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, out.tokens, out.logprobs, strict=True)]
-        if self._grammars is not None:
-            prefetch(self._grammars, seqs, self.device.type == "cuda")
-        return events
+        return [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, out.tokens, out.logprobs, strict=True)]
 
     # ------------------------------------------------------------------ batch API
     def _prepare_batch(

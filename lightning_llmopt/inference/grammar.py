@@ -10,9 +10,7 @@ Per step, for the rows whose request has a constraint:
 2. the bitmask goes up in one copy and turns into ``-inf`` on the disallowed logits of those rows (columns past
    the tokenizer's vocabulary, padding of the model's, are always disallowed);
 3. after the draw, :meth:`Matcher.advance` feeds the token to the matcher; the sequence ends (``"stop"``) when the
-   text is complete and nothing may follow, or at an end-of-sequence token the grammar allowed;
-4. the masks of the next step start at once on a thread (:func:`prefetch`), so that they overlap the next step's
-   host work too; step 1 then only takes them (and computes any whose sequence is new).
+   text is complete and nothing may follow, or at an end-of-sequence token the grammar allowed.
 
 Compiled grammars are cached by :meth:`StructuredOutput.key`; a new sequence starts from a copy of its grammar's
 fresh matcher. See docs/structured_output.md.
@@ -20,9 +18,7 @@ fresh matcher. See docs/structured_output.md.
 
 from __future__ import annotations
 
-import itertools
 import json
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +29,7 @@ from torch import Tensor
 
 from lightning_llmopt.inference.structured_output import StructuredOutput
 
-__all__ = ["Grammars", "Matcher", "constrain", "grammar_text", "prefetch"]
+__all__ = ["Grammars", "Matcher", "constrain", "grammar_text"]
 
 _CACHE_SIZE = 512  # compiled grammars kept (least recently used first out)
 
@@ -101,25 +97,18 @@ def _ll_tokenizer(tokenizer: Any, stop_ids: Sequence[int]) -> Any:
     )
 
 
-_SERIALS = itertools.count()
-
-
 class Matcher:
-    """One sequence's position in its grammar: ``(serial, consumed)`` names the position (a mask computed ahead
-    for it is valid while both are unchanged)."""
+    """One sequence's position in its grammar."""
 
     def __init__(self, matcher: Any, end_ids: frozenset[int]) -> None:
         self._m, self.end_ids = matcher, end_ids
-        self.serial, self.consumed, self.done = next(_SERIALS), 0, False
 
     def advance(self, token: int) -> bool:
         """Feed a sampled token; ``True`` when the text is complete and nothing may follow. A token the grammar
         refuses raises ``RuntimeError`` (the mask makes that impossible unless the caller skipped it)."""
         if not self._m.consume_token(token):
             raise RuntimeError(f"token {token} does not continue the grammar: {self._m.get_error()[:300]}")
-        self.consumed += 1
-        self.done = bool(self._m.is_stopped())
-        return self.done
+        return bool(self._m.is_stopped())
 
     @property
     def handle(self) -> Any:
@@ -146,11 +135,7 @@ class Grammars:
         self._executor = self._ll.LLExecutor()
         self._bits: Tensor | None = None  # (N, words) host buffer (pinned on CUDA), grown on demand
         self._shifts: Tensor | None = None  # 0..31 on the logits' device
-        self.mask_s, self.mask_calls = 0.0, 0  # host time waiting for or computing masks, and the steps that did
-        self._ahead: Tensor | None = None  # (M, words) masks computed ahead (pinned on CUDA)
-        self._ahead_rows: dict[tuple[int, int], int] = {}  # (serial, consumed) -> row of _ahead
-        self._thread: threading.Thread | None = None
-        self.ahead_hits = 0  # rows whose mask was computed ahead (prefetch)
+        self.mask_s, self.mask_calls = 0.0, 0  # host time computing masks, and the steps that did
 
     def check(self, so: StructuredOutput) -> None:
         """Compile ``so`` (cached); raises ``ValueError`` naming the problem when llguidance refuses it."""
@@ -186,20 +171,11 @@ class Grammars:
             self._shifts = None
         bits = self._bits[:n]
         start = time.perf_counter()
-        self._join()
         if len(rows) < n:
             bits.fill_(-1)  # every token allowed
-        todo = []
-        for r, m in zip(rows, matchers, strict=True):
-            i = self._ahead_rows.get((m.serial, m.consumed))
-            if i is not None and self._ahead is not None:
-                bits[r] = self._ahead[i]
-                self.ahead_hits += 1
-            else:
-                todo.append((m.handle, r))
-        if todo:
-            self._executor.unsafe_compute_mask_ptr(todo, bits.data_ptr(), self.words * 4, n)
-        self._ahead_rows = {}
+        self._executor.unsafe_compute_mask_ptr(
+            [(m.handle, r) for r, m in zip(rows, matchers, strict=True)], bits.data_ptr(), self.words * 4, n
+        )
         self.mask_s += time.perf_counter() - start
         self.mask_calls += 1
         if self._shifts is None or self._shifts.device != device:
@@ -212,27 +188,6 @@ class Grammars:
             if len(rows) < n:  # unconstrained rows keep the padding columns as they were
                 allowed[[i for i in range(n) if i not in set(rows)], self.words * 32 :] = True
         return logits.masked_fill(~allowed[:, :width], float("-inf"))
-
-
-    def prefetch(self, matchers: Sequence[Matcher], pin: bool) -> None:
-        """Start computing these matchers' next masks on a thread (llguidance's pool; the GIL is released), so
-        that they overlap the host work of the next step (scheduling, inputs, launch) as well as its device time;
-        :meth:`mask` takes each one whose matcher has not moved since, and computes the others."""
-        self._join()
-        live = [m for m in matchers if not m.done]
-        if not live:
-            return
-        if self._ahead is None or self._ahead.shape[0] < len(live):
-            self._ahead = torch.empty(max(len(live), 8), self.words, dtype=torch.int32, pin_memory=pin)
-        self._ahead_rows = {(m.serial, m.consumed): i for i, m in enumerate(live)}
-        args = ([(m.handle, i) for i, m in enumerate(live)], self._ahead.data_ptr(), self.words * 4, len(live))
-        self._thread = threading.Thread(target=self._executor.unsafe_compute_mask_ptr, args=args, daemon=True)
-        self._thread.start()
-
-    def _join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
 
 
 def constrain(grammars: Grammars, logits: Tensor, seqs: Sequence[Any]) -> Tensor:
@@ -248,8 +203,3 @@ def constrain(grammars: Grammars, logits: Tensor, seqs: Sequence[Any]) -> Tensor
         rows.append(i)
         matchers.append(seq.grammar)
     return grammars.mask(logits, rows, matchers) if rows else logits
-
-
-def prefetch(grammars: Grammars, seqs: Sequence[Any], pin: bool) -> None:
-    """After a step's tokens were appended: start the next masks of the constrained sequences still running."""
-    grammars.prefetch([s.grammar for s in seqs if s.grammar is not None and not s.finished], pin)

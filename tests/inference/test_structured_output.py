@@ -164,23 +164,6 @@ def test_greedy_constrained_output_is_token_exact_against_a_recompute_reference(
         assert got.text in choices
 
 
-def test_masks_computed_ahead_are_used_and_change_nothing():
-    """After the first step every constrained row's mask was computed on the prefetch thread; the greedy output is
-    the token-exact recompute reference's (test above) and equal with the prefetch turned off."""
-    model = make_model(seed=4)
-    so = StructuredOutput(json_schema=SCHEMAS[1])
-    params = SamplingParams(max_tokens=60, temperature=0.9, seed=2, n=2, structured_output=so)
-    engine = _engine(model)
-    ahead = engine.generate(["a", "bb", "ccc"], params)
-    grammars = engine.grammars()
-    assert grammars.ahead_hits > 0
-    off = _engine(model)
-    off.grammars().prefetch = lambda matchers, pin: None  # type: ignore[method-assign]
-    plain = off.generate(["a", "bb", "ccc"], params)
-    assert off.grammars().ahead_hits == 0
-    assert [[c.token_ids for c in o.outputs] for o in ahead] == [[c.token_ids for c in o.outputs] for o in plain]
-
-
 def test_unconstrained_rows_of_a_mixed_batch_are_unchanged():
     """Greedy requests batched with constrained ones produce the tokens they produce alone."""
     engine = _engine()
