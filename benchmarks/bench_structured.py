@@ -172,12 +172,9 @@ def _xgrammar(tok: Any, ids: list[int]) -> dict[str, Any]:
 
 def _byte_level_bytes(token: str) -> bytes:
     """A byte-level BPE token's bytes (GPT-2's printable stand-ins for the 256 bytes, inverted)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table, extra = {chr(b): b for b in printable}, 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + extra)] = b
-            extra += 1
+    from lightning_llmopt.data.hf_tokenizer import _byte_table
+
+    table = _byte_table()
     return bytes(table[c] for c in token) if all(c in table for c in token) else token.encode()
 
 
